@@ -1,0 +1,211 @@
+"""Sequence layouts: one private, dense history per sequence.
+
+Shared by ``single`` (one sequence) and ``batched-sequence`` (many). A history is dense
+from position 0: its ``length`` is both what it holds and where its next token goes.
+``written`` is the high-water mark of positions ever written: a rewind never lowers it,
+a fork inherits it, and it bounds how far back a ring layer can resume (see
+``RingLayout.retained_from``). Invariant: ``0 <= length <= written``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+from .base import CacheBase, require_count
+from .config import CacheConfig, CacheGeometry
+from .errors import CacheRefused
+from .plans import PolicyTable, RingLayout, RunPlan
+from .step import ALLOWED, Span, Step, Verdict
+
+
+@dataclass
+class SequenceHistory:
+    length: int = 0
+    written: int = 0
+
+    def floor(self, table: PolicyTable) -> int:
+        return table.floor(self.written)
+
+    def rewind_verdict(self, position: object, table: PolicyTable) -> Verdict:
+        if isinstance(position, bool) or not isinstance(position, int) or position < 0:
+            return Verdict(f"rewind position must be a non-negative integer, got {position!r}")
+        if position > self.length:
+            return Verdict(
+                f"the sequence holds {self.length} positions; rewind cannot grow it to {position}"
+            )
+        floor = self.floor(table)
+        if position < floor:
+            return Verdict(
+                f"a sliding-window layer retains only positions from {floor} on; "
+                f"rewind to {floor} or later"
+            )
+        return ALLOWED
+
+    def commit(self, end: int) -> None:
+        self.length = end
+        self.written = max(self.written, end)
+
+    def mark_written(self, end: int) -> None:
+        """A failed step may still have overwritten ring slots up to ``end``."""
+        self.written = max(self.written, end)
+
+
+@dataclass(frozen=True)
+class SpanPlan:
+    """One span of a step planned on every distinct layout (``runs[i]`` for layout i)."""
+
+    span: Span
+    runs: tuple[RunPlan, ...]
+
+    @property
+    def end(self) -> int:
+        return self.span.position + self.span.count
+
+
+@dataclass(frozen=True)
+class SequenceStepPlan:
+    """A declared step of a sequence layout: its spans, in token order."""
+
+    step: Step
+    spans: tuple[SpanPlan, ...]
+    layer_layout: tuple[int, ...]
+
+    def runs_for_layer(self, layer: int) -> tuple[tuple[Span, RunPlan], ...]:
+        index = self.layer_layout[layer]
+        return tuple((sp.span, sp.runs[index]) for sp in self.spans)
+
+
+def plan_spans(
+    step: Step, histories: Mapping[int, SequenceHistory], table: PolicyTable
+) -> tuple[SpanPlan, ...]:
+    """Plan each span of ``step`` against its sequence's history; CacheRefused if any fails.
+
+    Each span must continue its sequence: from its length, or from where its previous
+    span in this step ended. Ring layers take at most ``max_write`` tokens per sequence.
+    """
+    running: dict[int, int] = {}
+    taken: dict[int, int] = {}
+    plans = []
+    limit = table.smallest_max_write
+    positions = step.positions
+    for span in step.spans():
+        expected = running.get(span.seq_id, histories[span.seq_id].length)
+        got = positions[span.start : span.start + span.count]
+        if got != tuple(range(expected, expected + span.count)):
+            shown = list(got) if len(got) <= 8 else f"[{got[0]}, ..., {got[-1]}]"
+            raise CacheRefused(
+                f"sequence {span.seq_id} continues at position {expected}, but the step "
+                f"gives it positions {shown}; rewind first to rewrite history"
+            )
+        running[span.seq_id] = expected + span.count
+        taken[span.seq_id] = taken.get(span.seq_id, 0) + span.count
+        if limit is not None and taken[span.seq_id] > limit:
+            raise CacheRefused(
+                f"sequence {span.seq_id} writes {taken[span.seq_id]} tokens in one step, "
+                f"but sliding-window layers take at most {limit} (max_write); "
+                "split the step into smaller chunks"
+            )
+        plans.append(SpanPlan(span, table.plan(span.position, span.count)))
+    return tuple(plans)
+
+
+def ring_slots(table: PolicyTable, layer_layout: tuple[int, ...], history: SequenceHistory) -> int:
+    """Physical rows a history occupies, summed over layers."""
+    total = 0
+    for index in layer_layout:
+        layout = table.layouts[index]
+        if isinstance(layout, RingLayout):
+            total += min(history.written, layout.slots)
+        else:
+            total += history.length
+    return total
+
+
+@dataclass(frozen=True)
+class CacheUsage:
+    """How full a cache is.
+
+    ``logical_positions``: positions held, summed over sequences (a fork counts its
+    prefix; this is what capacity charges in the sequence layouts).
+    ``physical_slots``: K/V rows that hold live data, summed over layers (cells count
+    once however many sequences share them; a ring counts at most its slots).
+    """
+
+    logical_positions: int
+    physical_slots: int
+    capacity: int
+
+
+class SingleCache(CacheBase[SequenceStepPlan]):
+    """``single``: one sequence (id 0), one length for all layers."""
+
+    kind = "single"
+    SEQ_ID = 0
+
+    def __init__(self, geometry: CacheGeometry, config: CacheConfig) -> None:
+        super().__init__(geometry, config)
+        self.history = SequenceHistory()
+
+    # -- SequenceControl ------------------------------------------------------------
+    def pos(self) -> int:
+        """Where the next token goes (= positions held)."""
+        return self.history.length
+
+    def can_extend(self, n: int = 1) -> Verdict:
+        require_count("n", n)
+        if self.history.length + n > self.capacity:
+            return Verdict(
+                f"the sequence holds {self.history.length} of {self.capacity} positions; "
+                f"{n} more do not fit (raise the capacity or rewind)"
+            )
+        return ALLOWED
+
+    def can_rewind(self, position: int) -> Verdict:
+        return self.history.rewind_verdict(position, self.policies)
+
+    def rewind_floor(self) -> int:
+        return self.history.floor(self.policies)
+
+    def rewind(self, position: int) -> None:
+        verdict = self.can_rewind(position)
+        if not verdict:
+            raise CacheRefused(verdict.reason or "")
+        self.history.length = position
+        self._drop_step()
+
+    def clear(self) -> None:
+        self.history = SequenceHistory()
+        self._drop_step()
+        self._clear_storage()
+
+    def usage(self) -> CacheUsage:
+        return CacheUsage(
+            self.history.length,
+            ring_slots(self.policies, self.policies.layer_layout, self.history),
+            self.capacity,
+        )
+
+    # -- step -------------------------------------------------------------------------
+    def _plan_step(self, step: Step) -> SequenceStepPlan:
+        if any(s != self.SEQ_ID for s in step.seq_ids):
+            raise CacheRefused(
+                f"the single layout holds one sequence, id {self.SEQ_ID}; "
+                "use a batched kind for several"
+            )
+        end = self.history.length + len(step)
+        if end > self.capacity:
+            raise CacheRefused(
+                f"the step needs positions up to {end}, but capacity is {self.capacity} "
+                f"({self.history.length} held); raise the capacity or rewind"
+            )
+        spans = plan_spans(step, {self.SEQ_ID: self.history}, self.policies)
+        return SequenceStepPlan(step, spans, self.policies.layer_layout)
+
+    def _commit(self, plan: SequenceStepPlan) -> None:
+        self.history.commit(plan.spans[-1].end)
+
+    def _abandon(self, plan: SequenceStepPlan) -> None:
+        self.history.mark_written(plan.spans[-1].end)
+
+    def _clear_storage(self) -> None:
+        """Byte layers drop what they hold."""
