@@ -9,6 +9,7 @@ from .batched import BatchedSequenceCache
 from .cells import CellCache, CellStepPlan
 from .config import KV_DTYPES, CacheConfig, CacheGeometry, LayerGeometry, LayerPolicy, PolicyKind
 from .errors import (
+    AttendError,
     CacheError,
     CacheKindNotFound,
     CacheRefused,

@@ -35,3 +35,7 @@ class CacheKindNotFound(CacheError, LookupError):
 
 class CacheRegistrationError(CacheError, ValueError):
     """A builder registration that the factory will not accept."""
+
+
+class AttendError(CacheError, ValueError):
+    """q/k/v that do not match the declared step or the layer's geometry."""
