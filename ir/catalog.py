@@ -1,0 +1,334 @@
+"""The op catalog: every op a graph may contain, shared by the lowering (which emits
+instructions) and the interpreter (which runs them).
+
+An entry states the op's operands (in order; optional ones may be omitted as None), its
+attributes with their kinds, how many results it produces, and its output rule (the
+result's dtype and shape in terms of the operands), so a payload can be validated
+structurally before anything runs.
+
+Conventions every entry follows (the lowering guarantees them, so handlers need not
+promote): operands of elementwise ops already share the result's dtype (the lowering
+inserts ``cast``); dims are non-negative; shapes may hold ``SlotRef``s to int scalar
+slots (dynamic sizes) and ``-1`` where the op allows it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from .errors import FormatError, UnknownOpError
+from .graph import Graph, Instruction, ScalarType, SlotRef, TensorType
+
+# Attribute kinds and the Python values they accept.
+ATTR_KINDS = ("int", "float", "bool", "str", "dtype", "ints", "floats", "int_or_ref", "ints_or_refs")
+
+
+@dataclass(frozen=True)
+class AttrSpec:
+    name: str
+    kind: str
+    required: bool = True
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    """One op's signature.
+
+    ``operands``: a trailing ``?`` marks an optional operand; a single operand named with a
+    trailing ``*`` takes one or more slots (``cat``). ``n_outputs`` None means one or more
+    results (``split``: one per size). ``scalar_result``: the results are int scalar slots
+    (sizes computed on the host), not tensors.
+    """
+
+    name: str
+    operands: tuple[str, ...]
+    attrs: tuple[AttrSpec, ...] = ()
+    n_outputs: Optional[int] = 1
+    output_rule: str = "same dtype and shape as the first operand"
+    scalar_result: bool = False
+
+    @property
+    def variadic(self) -> bool:
+        return len(self.operands) == 1 and self.operands[0].endswith("*")
+
+    def validate(self, instr: Instruction, graph: Graph) -> None:
+        """Raise FormatError if ``instr`` does not fit this op's signature."""
+        where = f"instruction {self.name!r}"
+        if self.variadic:
+            names = (self.operands[0],) * len(instr.inputs)
+            if not instr.inputs:
+                raise FormatError(f"{where} takes one or more operands, the payload gives none")
+        else:
+            names = self.operands
+            if len(instr.inputs) != len(self.operands):
+                raise FormatError(
+                    f"{where} takes {len(self.operands)} operands, the payload gives {len(instr.inputs)}"
+                )
+        for name, slot in zip(names, instr.inputs):
+            if slot is None:
+                if not name.endswith("?"):
+                    raise FormatError(f"{where}: required operand {name!r} is missing")
+                continue
+            if not 0 <= slot < len(graph.slots):
+                raise FormatError(f"{where}: operand {name!r} refers to slot {slot}, which does not exist")
+            if not isinstance(graph.slots[slot].type, TensorType):
+                raise FormatError(f"{where}: operand {name!r} (slot {slot}) must be a tensor")
+        if self.n_outputs is None and not instr.outputs:
+            raise FormatError(f"{where} produces one or more results, the payload gives none")
+        if self.n_outputs is not None and len(instr.outputs) != self.n_outputs:
+            raise FormatError(f"{where} produces {self.n_outputs} results, the payload gives {len(instr.outputs)}")
+        result_type = ScalarType if self.scalar_result else TensorType
+        for slot in instr.outputs:
+            if not 0 <= slot < len(graph.slots):
+                raise FormatError(f"{where}: result slot {slot} does not exist")
+            if not isinstance(graph.slots[slot].type, result_type):
+                raise FormatError(f"{where}: result slot {slot} must be a {result_type.__name__}")
+        known = {a.name: a for a in self.attrs}
+        given = dict(instr.attrs)
+        for name in given:
+            if name not in known:
+                raise FormatError(f"{where}: unknown attribute {name!r}")
+        for spec in self.attrs:
+            if spec.name not in given or given[spec.name] is None:
+                if spec.required:
+                    raise FormatError(f"{where}: attribute {spec.name!r} is missing")
+                continue
+            _check_attr(where, spec, given[spec.name], graph)
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _check_attr(where: str, spec: AttrSpec, value: object, graph: Graph) -> None:
+    def ref_ok(v: object) -> bool:
+        return (
+            isinstance(v, SlotRef)
+            and 0 <= v.slot < len(graph.slots)
+            and graph.slots[v.slot].type == ScalarType("int")
+        )
+
+    ok = {
+        "int": _is_int,
+        "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+        "bool": lambda v: isinstance(v, bool),
+        "str": lambda v: isinstance(v, str),
+        "dtype": lambda v: isinstance(v, str),
+        "ints": lambda v: isinstance(v, tuple) and all(_is_int(x) for x in v),
+        "floats": lambda v: isinstance(v, tuple) and all(isinstance(x, (int, float)) for x in v),
+        "int_or_ref": lambda v: _is_int(v) or ref_ok(v),
+        "ints_or_refs": lambda v: isinstance(v, tuple) and all(_is_int(x) or ref_ok(x) for x in v),
+    }[spec.kind]
+    if not ok(value):
+        raise FormatError(f"{where}: attribute {spec.name!r} must be {spec.kind}, got {value!r}")
+
+
+CATALOG: dict[str, OpSpec] = {}
+
+
+def define(spec: OpSpec) -> OpSpec:
+    for attr in spec.attrs:
+        if attr.kind not in ATTR_KINDS:
+            raise ValueError(f"op {spec.name}: unknown attribute kind {attr.kind!r}")
+    if spec.name in CATALOG:
+        raise ValueError(f"op {spec.name} is defined twice")
+    CATALOG[spec.name] = spec
+    return spec
+
+
+def lookup(name: str) -> OpSpec:
+    try:
+        return CATALOG[name]
+    except KeyError:
+        raise UnknownOpError(
+            f"unknown op {name!r}: this file needs a newer mlx-pte (or was not written by it)"
+        ) from None
+
+
+def validate_graph(graph: Graph) -> None:
+    """Structural check of every instruction against the catalog.
+
+    (Dataflow order and slot types are checked with the payload: ``ir.payload.check_graph``.)
+    """
+    for instr in graph.instructions:
+        lookup(instr.op).validate(instr, graph)
+
+
+# -- the ops -------------------------------------------------------------------------
+def _attrs(*specs: tuple) -> tuple[AttrSpec, ...]:
+    return tuple(AttrSpec(*s) for s in specs)
+
+
+# Elementwise, numpy broadcasting; operands already share the result dtype.
+ELEMENTWISE_UNARY = (
+    "neg", "abs", "exp", "log", "sqrt", "rsqrt", "sin", "cos", "tanh", "sigmoid",
+    "relu", "silu", "erf", "reciprocal",
+)  # fmt: skip
+ELEMENTWISE_BINARY = ("add", "sub", "mul", "div", "pow", "maximum", "minimum")
+COMPARISONS = ("lt", "le", "gt", "ge", "eq", "ne")
+REDUCTIONS = ("sum", "mean", "amax", "amin")
+
+for _name in ELEMENTWISE_UNARY:
+    define(OpSpec(_name, ("x",)))
+define(OpSpec("gelu", ("x",), _attrs(("approximate", "str")), output_rule="like x; approximate 'none' (erf) or 'tanh'"))
+define(OpSpec("clamp", ("x",), _attrs(("min", "float", False), ("max", "float", False))))
+for _name in ELEMENTWISE_BINARY:
+    define(OpSpec(_name, ("a", "b"), output_rule="broadcast shape of a and b, dtype of a"))
+for _name in COMPARISONS:
+    define(OpSpec(_name, ("a", "b"), output_rule="broadcast shape of a and b, bool"))
+define(OpSpec("where", ("cond", "a", "b"), output_rule="broadcast shape of the three, dtype of a"))
+define(OpSpec("cast", ("x",), _attrs(("dtype", "dtype")), output_rule="x's shape, the given dtype"))
+
+# Reductions over ``dims`` (non-negative, sorted).
+for _name in REDUCTIONS:
+    define(
+        OpSpec(
+            _name,
+            ("x",),
+            _attrs(("dims", "ints"), ("keepdim", "bool")),
+            output_rule="x reduced over dims (kept as size 1 if keepdim); dtype of x",
+        )
+    )
+define(
+    OpSpec(
+        "argmax",
+        ("x",),
+        _attrs(("dim", "int", False), ("keepdim", "bool")),
+        output_rule="index of the max along dim (over the flattened x when dim is absent); int64",
+    )
+)
+define(OpSpec("softmax", ("x",), _attrs(("dim", "int")), output_rule="like x; accumulated in fp32"))
+define(OpSpec("log_softmax", ("x",), _attrs(("dim", "int")), output_rule="like x; accumulated in fp32"))
+define(
+    OpSpec(
+        "rms_norm",
+        ("x", "weight?"),
+        _attrs(("eps", "float")),
+        output_rule="like x, normalized over the last dim",
+    )
+)
+define(
+    OpSpec(
+        "layer_norm",
+        ("x", "weight?", "bias?"),
+        _attrs(("eps", "float")),
+        output_rule="like x, normalized over the last dim",
+    )
+)
+
+# Linear algebra and indexing.
+define(OpSpec("matmul", ("a", "b"), output_rule="numpy matmul of a and b (batch dims broadcast); dtype of a"))
+define(
+    OpSpec(
+        "linear",
+        ("x", "weight", "bias?"),
+        output_rule="x @ weight.T (+ bias): x's shape with the last dim = weight.shape[0]; dtype of x",
+    )
+)
+define(OpSpec("embedding", ("weight", "indices"), output_rule="indices.shape + weight.shape[1:]; dtype of weight"))
+define(
+    OpSpec(
+        "index_select",
+        ("x", "index"),
+        _attrs(("dim", "int")),
+        output_rule="x with dim replaced by len(index) (index 1-D, int)",
+    )
+)
+define(
+    OpSpec(
+        "gather",
+        ("x", "index"),
+        _attrs(("dim", "int")),
+        output_rule="index's shape: x[..., index[...], ...] along dim (take-along-axis)",
+    )
+)
+
+# Layout. Shapes may hold SlotRefs; view takes one -1, expand takes -1 for "keep".
+define(OpSpec("view", ("x",), _attrs(("shape", "ints_or_refs")), output_rule="x's elements in the given shape"))
+define(OpSpec("permute", ("x",), _attrs(("dims", "ints")), output_rule="x's axes reordered"))
+define(
+    OpSpec(
+        "slice",
+        ("x",),
+        _attrs(("dim", "int"), ("start", "int_or_ref"), ("end", "int_or_ref"), ("step", "int")),
+        output_rule="x[start:end:step] along dim, Python slice semantics (negatives wrap, ends clamp)",
+    )
+)
+define(
+    OpSpec(
+        "select",
+        ("x",),
+        _attrs(("dim", "int"), ("index", "int_or_ref")),
+        output_rule="x[index] along dim, dim removed (a negative index counts from the end)",
+    )
+)
+define(OpSpec("unsqueeze", ("x",), _attrs(("dim", "int")), output_rule="x with a size-1 axis inserted at dim"))
+define(OpSpec("squeeze", ("x",), _attrs(("dims", "ints")), output_rule="x without those of dims that have size 1"))
+define(
+    OpSpec(
+        "expand",
+        ("x",),
+        _attrs(("shape", "ints_or_refs")),
+        output_rule="x broadcast to shape (-1 keeps x's size; new axes lead)",
+    )
+)
+define(OpSpec("cat", ("tensors*",), _attrs(("dim", "int")), output_rule="the operands joined along dim"))
+define(
+    OpSpec(
+        "split",
+        ("x",),
+        _attrs(("sizes", "ints_or_refs"), ("dim", "int")),
+        n_outputs=None,
+        output_rule="one result per size: consecutive pieces of x along dim",
+    )
+)
+
+# Creation.
+define(
+    OpSpec(
+        "full",
+        (),
+        _attrs(("shape", "ints_or_refs"), ("value", "float"), ("dtype", "dtype")),
+        output_rule="a tensor of the given shape and dtype filled with value",
+    )
+)
+define(
+    OpSpec(
+        "arange",
+        (),
+        _attrs(("start", "int_or_ref"), ("end", "int_or_ref"), ("step", "int_or_ref"), ("dtype", "dtype")),
+        output_rule="[start, start+step, ...) below end, 1-D, the given dtype",
+    )
+)
+
+# Host integer arithmetic on dynamic sizes.
+define(
+    OpSpec(
+        "sym_size",
+        ("x",),
+        _attrs(("dim", "int")),
+        output_rule="int: x.shape[dim]",
+        scalar_result=True,
+    )
+)
+SCALAR_BINARY = ("scalar_add", "scalar_sub", "scalar_mul", "scalar_floordiv", "scalar_mod")
+for _name in SCALAR_BINARY:
+    define(
+        OpSpec(
+            _name,
+            (),
+            _attrs(("a", "int_or_ref"), ("b", "int_or_ref")),
+            output_rule="int: a op b (floor division and modulo round toward -inf)",
+            scalar_result=True,
+        )
+    )
+
+# The runtime-owned KV cache.
+define(
+    OpSpec(
+        "update_and_attend",
+        ("q", "k", "v", "positions"),
+        (AttrSpec("cache_id", "int"), AttrSpec("scale", "float"), AttrSpec("softcap", "float")),
+        output_rule="[1, Hq, T, Dv]: q's shape with the last dim of v; dtype of q",
+    )
+)
