@@ -1,0 +1,73 @@
+"""The manifest of an exported HF model (DESIGN section 2), built from its checkpoint.
+
+The schema is ``mlx_pte.ir.manifest.Manifest``, shared with the reader, so writer and
+reader cannot drift apart.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from mlx_pte.ir.manifest import CacheLayerSpec, Manifest
+
+from .hf_checkpoint import HFCheckpoint, as_ids
+from .hf_errors import CheckpointError
+from .hf_geometry import HFCacheLayout
+
+
+def _first_int(*candidates: Any) -> Optional[int]:
+    for value in candidates:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
+
+
+def _ids(*groups: Any) -> tuple[int, ...]:
+    """Every id in ``groups`` (each None, an int or a list), in first-seen order."""
+    return tuple(dict.fromkeys(i for group in groups for i in as_ids(group)))
+
+
+def build_manifest(
+    checkpoint: HFCheckpoint, layout: HFCacheLayout, dtype: str, max_step: int
+) -> Manifest:
+    """Everything a runner needs besides the graph: config, tokens, tokenizer, cache geometry.
+
+    Args:
+        checkpoint: the loaded checkpoint.
+        layout: its cache layout (one manifest cache entry per ``cache_id``).
+        dtype: the exported model dtype name.
+        max_step: the most tokens one forward takes.
+
+    Raises:
+        CheckpointError: the config gives no vocab size or context length.
+    """
+    text = checkpoint.config.get_text_config()
+    tokenizer = checkpoint.tokenizer
+    template = getattr(tokenizer, "chat_template", None)
+    vocab_size = getattr(text, "vocab_size", None)
+    max_context = getattr(text, "max_position_embeddings", None)
+    if not vocab_size or not max_context:
+        raise CheckpointError(
+            "config.json must give vocab_size and max_position_embeddings to size the runtime"
+        )
+    return Manifest(
+        config=checkpoint.config_json,
+        dtype=dtype,
+        vocab_size=int(vocab_size),
+        cache=tuple(
+            CacheLayerSpec(
+                window=layer.policy.window,
+                n_kv_heads=layer.n_kv_heads,
+                head_dim=layer.head_dim,
+                v_head_dim=layer.v_head_dim,
+            )
+            for layer in layout.geometry.layers
+        ),
+        max_step=max_step,
+        max_context=int(max_context),
+        tokenizer=checkpoint.tokenizer_json,
+        # Tokenizers with several named templates are not supported: the runner takes one.
+        chat_template=template if isinstance(template, str) and template else None,
+        bos_token_id=_first_int(tokenizer.bos_token_id, getattr(text, "bos_token_id", None)),
+        eos_token_ids=_ids(tokenizer.eos_token_id, checkpoint.generation_eos),
+        pad_token_id=_first_int(tokenizer.pad_token_id, getattr(text, "pad_token_id", None)),
+    )
