@@ -311,14 +311,14 @@ define(
         scalar_result=True,
     )
 )
-SCALAR_BINARY = ("scalar_add", "scalar_sub", "scalar_mul", "scalar_floordiv", "scalar_mod")
+SCALAR_BINARY = ("scalar_add", "scalar_sub", "scalar_mul", "scalar_floordiv")
 for _name in SCALAR_BINARY:
     define(
         OpSpec(
             _name,
             (),
             _attrs(("a", "int_or_ref"), ("b", "int_or_ref")),
-            output_rule="int: a op b (floor division and modulo round toward -inf)",
+            output_rule="int: a op b (floor division rounds toward -inf)",
             scalar_result=True,
         )
     )

@@ -1,0 +1,65 @@
+"""The ExecuTorch backend: ``preprocess`` turns the delegated edge program into the MLX
+payload (IR graph + weights + manifest) that the interpreter runs.
+
+Two compile specs (JSON) reach ``preprocess``: the manifest to store, and the program's
+``Signature`` (input/output order and dynamic ranges, which the delegated program lacks).
+"""
+from __future__ import annotations
+
+import json
+from typing import Any, Mapping
+
+import torch
+from executorch.exir.backend.backend_details import BackendDetails, PreprocessResult
+from executorch.exir.backend.compile_spec_schema import CompileSpec
+from executorch.exir.lowered_backend_module import LoweredBackendModule
+from torch.export import ExportedProgram
+
+from mlx_pte.ir.payload import encode_payload
+
+from .errors import ExportError
+from .lowering import Signature, lower_program
+
+BACKEND_ID = "MLXBackend"
+MANIFEST_SPEC = "manifest"
+SIGNATURE_SPEC = "signature"
+
+
+def compile_specs(manifest: Mapping[str, Any], signature: Signature) -> list[CompileSpec]:
+    try:
+        manifest_json = json.dumps(manifest, sort_keys=True)
+    except (TypeError, ValueError) as exc:
+        raise ExportError(f"the manifest must be JSON-serializable: {exc}") from None
+    return [
+        CompileSpec(MANIFEST_SPEC, manifest_json.encode()),
+        CompileSpec(SIGNATURE_SPEC, signature.to_json()),
+    ]
+
+
+def drop_preprocess_specs(module: torch.nn.Module) -> None:
+    """Remove our compile specs from the lowered MLX modules under ``module``.
+
+    They only feed ``preprocess``, whose payload already holds the manifest; ExecuTorch
+    would otherwise also serialize them, storing a multi-MB tokenizer twice.
+    """
+    for sub in module.modules():
+        if isinstance(sub, LoweredBackendModule) and sub.backend_id == BACKEND_ID:
+            sub._compile_specs = [s for s in sub.compile_specs if s.key not in (MANIFEST_SPEC, SIGNATURE_SPEC)]
+
+
+def _spec(specs: list[CompileSpec], key: str) -> bytes:
+    for spec in specs:
+        if spec.key == key:
+            return bytes(spec.value)
+    raise ExportError(f"MLXBackend needs the {key!r} compile spec: lower with MLXPartitioner")
+
+
+class MLXBackend(BackendDetails):
+    @staticmethod
+    def preprocess(edge_program: ExportedProgram, compile_specs: list[CompileSpec]) -> PreprocessResult:
+        graph, constants = lower_program(edge_program, Signature.from_json(_spec(compile_specs, SIGNATURE_SPEC)))
+        manifest = json.loads(_spec(compile_specs, MANIFEST_SPEC))
+        return PreprocessResult(encode_payload(graph, constants, manifest))
+
+
+assert MLXBackend.__name__ == BACKEND_ID  # executorch finds backends by class name

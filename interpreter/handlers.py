@@ -1,0 +1,326 @@
+"""One MLX handler per catalog op.
+
+A handler takes the instruction's operand values (MLX arrays, or None for an omitted
+optional operand), its attributes with every ``SlotRef`` already resolved to an int, and
+the run's context; it returns the result (a tuple when the op has several, an int for
+scalar ops). Handlers build lazy MLX graphs and never evaluate: the program evaluates
+once per run. The lowering has already promoted operands (see ``ir.catalog``), so
+handlers do no type promotion of their own.
+"""
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import mlx_pte.runtime.mlx.blas  # noqa: F401  (load an optimized BLAS before mlx.core)
+import mlx.core as mx
+
+from mlx_pte.ir.catalog import CATALOG
+
+MX_DTYPES: dict[str, mx.Dtype] = {
+    "float32": mx.float32,
+    "float16": mx.float16,
+    "bfloat16": mx.bfloat16,
+    "int64": mx.int64,
+    "int32": mx.int32,
+    "int16": mx.int16,
+    "int8": mx.int8,
+    "uint8": mx.uint8,
+    "bool": mx.bool_,
+}
+
+
+class MissingCacheError(RuntimeError):
+    """A program with attention layers ran without a KV cache."""
+
+
+@dataclass
+class RunContext:
+    """What a run carries besides slot values: the KV cache the caller declared a step on."""
+
+    cache: Any = None
+
+
+Args = list[Optional[mx.array]]
+Handler = Callable[[Args, dict[str, Any], RunContext], Any]
+
+HANDLERS: dict[str, Handler] = {}
+
+
+def handles(*names: str) -> Callable[[Handler], Handler]:
+    def register(fn: Handler) -> Handler:
+        for name in names:
+            HANDLERS[name] = fn
+        return fn
+
+    return register
+
+
+def _on_operands(fn: Callable[..., mx.array]) -> Handler:
+    return lambda args, attrs, ctx: fn(*args)
+
+
+def _half_precision(x: mx.array) -> bool:
+    return x.dtype in (mx.float16, mx.bfloat16)
+
+
+# -- elementwise -----------------------------------------------------------------------
+_UNARY = {
+    "neg": mx.negative,
+    "abs": mx.abs,
+    "exp": mx.exp,
+    "log": mx.log,
+    "sqrt": mx.sqrt,
+    "rsqrt": mx.rsqrt,
+    "sin": mx.sin,
+    "cos": mx.cos,
+    "tanh": mx.tanh,
+    "sigmoid": mx.sigmoid,
+    "relu": lambda x: mx.maximum(x, 0),
+    "silu": lambda x: x * mx.sigmoid(x),
+    "erf": mx.erf,
+    "reciprocal": mx.reciprocal,
+}
+_BINARY = {
+    "add": mx.add,
+    "sub": mx.subtract,
+    "mul": mx.multiply,
+    "div": mx.divide,
+    "pow": mx.power,
+    "maximum": mx.maximum,
+    "minimum": mx.minimum,
+    "lt": mx.less,
+    "le": mx.less_equal,
+    "gt": mx.greater,
+    "ge": mx.greater_equal,
+    "eq": mx.equal,
+    "ne": mx.not_equal,
+}
+for _name, _fn in {**_UNARY, **_BINARY}.items():
+    HANDLERS[_name] = _on_operands(_fn)
+HANDLERS["where"] = _on_operands(mx.where)
+
+_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+
+
+@handles("gelu")
+def _gelu(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx.array:
+    (x,) = args
+    if attrs["approximate"] == "tanh":
+        return 0.5 * x * (1 + mx.tanh(_SQRT_2_OVER_PI * (x + 0.044715 * x * x * x)))
+    return 0.5 * x * (1 + mx.erf(x / math.sqrt(2.0)))
+
+
+@handles("clamp")
+def _clamp(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx.array:
+    (x,) = args
+    # Python-float bounds would promote an integer x; the result keeps x's dtype.
+    return mx.clip(x, attrs.get("min"), attrs.get("max")).astype(x.dtype)
+
+
+@handles("cast")
+def _cast(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx.array:
+    return args[0].astype(MX_DTYPES[attrs["dtype"]])
+
+
+# -- reductions and normalisations -----------------------------------------------------
+def _reduction(fn: Callable[..., mx.array]) -> Handler:
+    def handler(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx.array:
+        (x,) = args
+        return fn(x, axis=list(attrs["dims"]), keepdims=attrs["keepdim"])
+
+    return handler
+
+
+for _name, _fn in {"sum": mx.sum, "mean": mx.mean, "amax": mx.max, "amin": mx.min}.items():
+    HANDLERS[_name] = _reduction(_fn)
+
+
+@handles("argmax")
+def _argmax(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx.array:
+    (x,) = args
+    dim, keepdim = attrs.get("dim"), attrs["keepdim"]
+    if dim is None:
+        flat = mx.argmax(x.reshape(-1))
+        out = flat.reshape((1,) * x.ndim) if keepdim else flat
+    else:
+        out = mx.argmax(x, axis=dim, keepdims=keepdim)
+    return out.astype(mx.int64)
+
+
+@handles("softmax")
+def _softmax(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx.array:
+    return mx.softmax(args[0], axis=attrs["dim"], precise=True)
+
+
+@handles("log_softmax")
+def _log_softmax(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx.array:
+    (x,) = args
+    x32 = x.astype(mx.float32)
+    return (x32 - mx.logsumexp(x32, axis=attrs["dim"], keepdims=True)).astype(x.dtype)
+
+
+@handles("rms_norm")
+def _rms_norm(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx.array:
+    x, weight = args
+    return mx.fast.rms_norm(x, weight, attrs["eps"])
+
+
+@handles("layer_norm")
+def _layer_norm(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx.array:
+    x, weight, bias = args
+    return mx.fast.layer_norm(x, weight, bias, attrs["eps"])
+
+
+# -- linear algebra and indexing -------------------------------------------------------
+HANDLERS["matmul"] = _on_operands(mx.matmul)
+
+
+@handles("linear")
+def _linear(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx.array:
+    x, weight, bias = args
+    out = x @ weight.T
+    return out if bias is None else out + bias
+
+
+@handles("embedding")
+def _embedding(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx.array:
+    weight, indices = args
+    return mx.take(weight, indices, axis=0)
+
+
+@handles("index_select")
+def _index_select(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx.array:
+    x, index = args
+    return mx.take(x, index, axis=attrs["dim"])
+
+
+@handles("gather")
+def _gather(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx.array:
+    x, index = args
+    return mx.take_along_axis(x, index, axis=attrs["dim"])
+
+
+# -- layout ----------------------------------------------------------------------------
+@handles("view")
+def _view(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx.array:
+    return args[0].reshape(attrs["shape"])
+
+
+@handles("permute")
+def _permute(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx.array:
+    return mx.transpose(args[0], attrs["dims"])
+
+
+def _along(dim: int, index: Any) -> tuple:
+    return (slice(None),) * dim + (index,)
+
+
+@handles("slice")
+def _slice(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx.array:
+    (x,) = args
+    dim = attrs["dim"]
+    # Resolve Python slice semantics on the host: torch's "to the end" is 2**63-1.
+    start, end, step = slice(attrs["start"], attrs["end"], attrs["step"]).indices(x.shape[dim])
+    return x[_along(dim, slice(start, end, step))]
+
+
+@handles("select")
+def _select(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx.array:
+    (x,) = args
+    dim = attrs["dim"]
+    return x[_along(dim, attrs["index"] % x.shape[dim])]
+
+
+@handles("unsqueeze")
+def _unsqueeze(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx.array:
+    return mx.expand_dims(args[0], attrs["dim"])
+
+
+@handles("squeeze")
+def _squeeze(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx.array:
+    (x,) = args
+    dims = [d for d in attrs["dims"] if x.shape[d] == 1]
+    return mx.squeeze(x, axis=dims) if dims else x
+
+
+@handles("expand")
+def _expand(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx.array:
+    (x,) = args
+    shape = list(attrs["shape"])
+    lead = len(shape) - x.ndim
+    for i in range(lead, len(shape)):
+        if shape[i] == -1:
+            shape[i] = x.shape[i - lead]
+    return mx.broadcast_to(x, shape)
+
+
+@handles("cat")
+def _cat(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx.array:
+    return mx.concatenate(args, axis=attrs["dim"])
+
+
+@handles("split")
+def _split(args: Args, attrs: dict[str, Any], ctx: RunContext) -> tuple[mx.array, ...]:
+    (x,) = args
+    bounds, total = [], 0
+    for size in attrs["sizes"][:-1]:
+        total += size
+        bounds.append(total)
+    return tuple(mx.split(x, bounds, axis=attrs["dim"]))
+
+
+# -- creation --------------------------------------------------------------------------
+@handles("full")
+def _full(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx.array:
+    dtype = MX_DTYPES[attrs["dtype"]]
+    value = attrs["value"]
+    # mx.full ignores dtype for a Python-float value of an integer or bool dtype.
+    if not mx.issubdtype(dtype, mx.floating):
+        value = bool(value) if dtype == mx.bool_ else int(value)
+    return mx.full(attrs["shape"], mx.array(value, dtype=dtype))
+
+
+@handles("arange")
+def _arange(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx.array:
+    return mx.arange(attrs["start"], attrs["end"], attrs["step"], dtype=MX_DTYPES[attrs["dtype"]])
+
+
+# -- host integers ---------------------------------------------------------------------
+@handles("sym_size")
+def _sym_size(args: Args, attrs: dict[str, Any], ctx: RunContext) -> int:
+    return args[0].shape[attrs["dim"]]
+
+
+def _scalar(fn: Callable[[int, int], int]) -> Handler:
+    return lambda args, attrs, ctx: fn(attrs["a"], attrs["b"])
+
+
+for _name, _fn in {
+    "scalar_add": operator.add,
+    "scalar_sub": operator.sub,
+    "scalar_mul": operator.mul,
+    "scalar_floordiv": operator.floordiv,
+}.items():
+    HANDLERS[_name] = _scalar(_fn)
+
+
+# -- the KV cache ----------------------------------------------------------------------
+@handles("update_and_attend")
+def _update_and_attend(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx.array:
+    q, k, v, _positions = args  # the cache takes positions from the declared step (host ints)
+    if ctx.cache is None:
+        raise MissingCacheError(
+            "this program has attention layers: pass the KV cache to run(..., cache=...) "
+            "after cache.declare_step(...) (or use Program.session())"
+        )
+    return ctx.cache.attend(attrs["cache_id"], q, k, v, attrs["scale"], attrs["softcap"])
+
+
+# One catalog: an op without a handler (or a handler without an op) is a bug here.
+_missing = sorted(set(CATALOG) - set(HANDLERS))
+_extra = sorted(set(HANDLERS) - set(CATALOG))
+if _missing or _extra:
+    raise ImportError(f"catalog and handlers disagree: no handler for {_missing}, no catalog entry for {_extra}")

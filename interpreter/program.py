@@ -1,0 +1,207 @@
+"""A loaded program: the IR graph, its weights as MLX arrays, and ``run``.
+
+``run`` binds the inputs (checked against the graph's input types, dynamic ranges
+included), walks the instructions once building one lazy MLX graph, and evaluates the
+outputs together.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping, Optional, Sequence, Union
+
+import numpy as np
+
+import mlx_pte.runtime.mlx.blas  # noqa: F401  (load an optimized BLAS before mlx.core)
+import mlx.core as mx
+
+from mlx_pte.ir.errors import FormatError
+from mlx_pte.ir.graph import Graph, SlotRef, SymDim, TensorType
+from mlx_pte.ir.payload import Payload
+from mlx_pte.ir.pte import read_pte
+
+from .handlers import HANDLERS, MX_DTYPES, Handler, RunContext
+
+# Numpy dtypes of the stored bytes; bfloat16 is read as uint16 and reinterpreted.
+_NP_STORAGE = {
+    "float32": np.float32,
+    "float16": np.float16,
+    "bfloat16": np.uint16,
+    "int64": np.int64,
+    "int32": np.int32,
+    "int16": np.int16,
+    "int8": np.int8,
+    "uint8": np.uint8,
+    "bool": np.bool_,
+}
+
+
+class InputError(ValueError):
+    """Inputs that do not match the program's signature; the message names the input."""
+
+
+@dataclass(frozen=True)
+class _Step:
+    """One instruction, resolved once at load: its handler and where its values live."""
+
+    handler: Handler
+    inputs: tuple[Optional[int], ...]
+    outputs: tuple[int, ...]
+    attrs: dict[str, Any]
+    refs: tuple[tuple[str, Any], ...]  # attrs holding SlotRefs, resolved per run
+
+
+def _compile(graph: Graph) -> list[_Step]:
+    steps = []
+    for instr in graph.instructions:
+        attrs = dict(instr.attrs)
+        refs = tuple(
+            (k, v) for k, v in attrs.items()
+            if isinstance(v, SlotRef) or (isinstance(v, tuple) and any(isinstance(x, SlotRef) for x in v))
+        )  # fmt: skip
+        steps.append(_Step(HANDLERS[instr.op], instr.inputs, instr.outputs, attrs, refs))
+    return steps
+
+
+def _resolve(value: Any, values: list) -> Any:
+    if isinstance(value, SlotRef):
+        return values[value.slot]
+    return tuple(values[v.slot] if isinstance(v, SlotRef) else v for v in value)
+
+
+def load_weight(raw: Union[bytes, memoryview], t: TensorType) -> mx.array:
+    """A constant's stored bytes (sized for its type: the payload checks) as an MLX array."""
+    array = mx.array(np.frombuffer(raw, dtype=_NP_STORAGE[t.dtype]).reshape(t.shape))
+    return array.view(mx.bfloat16) if t.dtype == "bfloat16" else array
+
+
+def _mx_kind(dtype: mx.Dtype) -> str:
+    if dtype == mx.bool_:
+        return "bool"
+    return "float" if mx.issubdtype(dtype, mx.floating) else "int"
+
+
+class Program:
+    """A runnable graph with its weights and manifest.
+
+    Args:
+        graph: a validated IR graph.
+        weights: constant slot → MLX array, one per constant slot of ``graph``.
+        manifest: the JSON manifest stored with the program.
+    """
+
+    def __init__(self, graph: Graph, weights: Mapping[int, mx.array], manifest: Mapping[str, Any]) -> None:
+        missing = [graph.slots[s].name for s in graph.constants() if s not in weights]
+        if missing:
+            raise FormatError(f"the program has no data for weights {missing}; export it again")
+        self.graph = graph
+        self.weights = dict(weights)
+        self.manifest = dict(manifest)
+        self._steps = _compile(graph)
+
+    @classmethod
+    def from_payload(cls, payload: Payload) -> "Program":
+        """A program from a decoded (hence validated) payload; weights are copied into MLX."""
+        graph = payload.graph
+        weights = {s: load_weight(payload.constant_bytes(s), graph.slots[s].type) for s in graph.constants()}
+        return cls(graph, weights, payload.manifest)
+
+    def weight(self, name: str) -> mx.array:
+        """A weight by its export name (e.g. ``"lm_head.weight"``)."""
+        for slot, array in self.weights.items():
+            if self.graph.slots[slot].name == name:
+                return array
+        raise KeyError(f"no weight named {name!r}")
+
+    @property
+    def input_types(self) -> list[TensorType]:
+        return [self.graph.slots[s].type for s in self.graph.inputs]  # type: ignore[misc]
+
+    def session(self, *args: Any, **kwargs: Any) -> Any:
+        """A ``Session`` over this program (see ``interpreter.session.Session``)."""
+        from .session import Session  # the session layer builds on Program, not the reverse
+
+        return Session(self, *args, **kwargs)
+
+    def run(self, inputs: Sequence[Any], cache: Any = None) -> list[mx.array]:
+        """Run the graph once and return its outputs, evaluated.
+
+        Args:
+            inputs: one array per graph input (numpy, MLX or nested lists), in order.
+                An input of another dtype of the same kind (int, float, bool) is cast.
+            cache: the KV cache ``update_and_attend`` writes to and reads from; the
+                caller declares the step before and finishes (or aborts) it after.
+
+        Raises:
+            InputError: wrong number of inputs, a dtype of another kind, a wrong rank
+                or size, a dynamic size outside its range or inconsistent across inputs.
+            MissingCacheError: the graph attends and no cache was given.
+        """
+        values: list[Any] = [None] * len(self.graph.slots)
+        for slot, array in self.weights.items():
+            values[slot] = array
+        for slot, array in zip(self.graph.inputs, self._bind_inputs(inputs)):
+            values[slot] = array
+        ctx = RunContext(cache)
+        for step in self._steps:
+            attrs = step.attrs
+            if step.refs:
+                attrs = {**attrs, **{k: _resolve(v, values) for k, v in step.refs}}
+            args = [None if s is None else values[s] for s in step.inputs]
+            result = step.handler(args, attrs, ctx)
+            if len(step.outputs) == 1:
+                values[step.outputs[0]] = result
+            else:
+                for slot, value in zip(step.outputs, result):
+                    values[slot] = value
+        outputs = [values[s] for s in self.graph.outputs]
+        mx.eval(outputs)
+        return outputs
+
+    def _bind_inputs(self, inputs: Sequence[Any]) -> list[mx.array]:
+        types = self.input_types
+        if len(inputs) != len(types):
+            names = [self.graph.slots[s].name for s in self.graph.inputs]
+            raise InputError(f"the program takes {len(types)} inputs {names}, got {len(inputs)}")
+        bound: dict[str, tuple[int, str]] = {}
+        arrays = []
+        for slot, t, value in zip(self.graph.inputs, types, inputs):
+            name = self.graph.slots[slot].name
+            array = value if isinstance(value, mx.array) else mx.array(np.asarray(value))
+            if _mx_kind(array.dtype) != _mx_kind(MX_DTYPES[t.dtype]):
+                raise InputError(f"input {name!r} must be {t.dtype}, got {array.dtype}")
+            if array.dtype != MX_DTYPES[t.dtype]:
+                array = array.astype(MX_DTYPES[t.dtype])
+            _check_shape(name, tuple(array.shape), t.shape, bound)
+            arrays.append(array)
+        return arrays
+
+
+def _check_shape(name: str, shape: tuple[int, ...], expected: tuple, bound: dict[str, tuple[int, str]]) -> None:
+    def describe(d: Any) -> str:
+        return str(d) if isinstance(d, int) else f"{d.name} in [{d.min}, {'inf' if d.max is None else d.max}]"
+
+    wanted = "[" + ", ".join(describe(d) for d in expected) + "]"
+    if len(shape) != len(expected):
+        raise InputError(f"input {name!r} must have shape {wanted}, got {list(shape)}")
+    for axis, (size, dim) in enumerate(zip(shape, expected)):
+        if isinstance(dim, SymDim):
+            if size < dim.min or (dim.max is not None and size > dim.max):
+                raise InputError(f"input {name!r} axis {axis} is {size}; it must be {describe(dim)}")
+            seen = bound.setdefault(dim.name, (size, name))
+            if seen[0] != size:
+                raise InputError(
+                    f"input {name!r} axis {axis} is {size}, but {dim.name} is {seen[0]} in input {seen[1]!r}; "
+                    "inputs sharing a dynamic size must agree"
+                )
+        elif size != dim:
+            raise InputError(f"input {name!r} must have shape {wanted}, got {list(shape)}")
+
+
+def load(path: Union[str, Path]) -> Program:
+    """Read a ``.pte`` written by ``export_program`` and map its weights into MLX once.
+
+    Raises:
+        FormatError: the file is not such a program, or is truncated or corrupt.
+    """
+    return Program.from_payload(read_pte(path))
