@@ -10,10 +10,10 @@ from __future__ import annotations
 import heapq
 from typing import Generic, Optional, TypeVar
 
-from .config import CacheConfig, CacheGeometry
-from .errors import CacheRefused, StepStateError
+from .config import CacheConfig, CacheGeometry, LayerGeometry, check_cache_inputs
+from .errors import CacheRefused, InvalidStep, StepStateError
 from .plans import PolicyTable
-from .step import ALLOWED, Step, Verdict
+from .step import ALLOWED, Step, Verdict, as_index, require_layer
 
 PlanT = TypeVar("PlanT")
 
@@ -24,10 +24,7 @@ class CacheBase(Generic[PlanT]):
     kind: str = ""
 
     def __init__(self, geometry: CacheGeometry, config: CacheConfig) -> None:
-        if not isinstance(geometry, CacheGeometry):
-            raise TypeError(f"geometry must be a CacheGeometry, got {type(geometry).__name__}")
-        if not isinstance(config, CacheConfig):
-            raise TypeError(f"config must be a CacheConfig, got {type(config).__name__}")
+        check_cache_inputs(geometry, config)
         self.geometry = geometry
         self.config = config
         self.policies = PolicyTable.build(geometry, config)
@@ -43,6 +40,10 @@ class CacheBase(Generic[PlanT]):
     @property
     def n_layers(self) -> int:
         return self.geometry.n_layers
+
+    def layer_geometry(self, layer: int) -> LayerGeometry:
+        """The geometry of cache layer ``layer``; AttendError for a layer the model lacks."""
+        return self.geometry.layers[require_layer(layer, self.n_layers)]
 
     @property
     def is_declared(self) -> bool:
@@ -72,7 +73,9 @@ class CacheBase(Generic[PlanT]):
         Raises CacheRefused (nothing changed, a previous declaration still stands).
         """
         if not isinstance(step, Step):
-            raise TypeError(f"declare_step takes a Step, got {type(step).__name__}")
+            raise InvalidStep(
+                f"declare_step takes a Step(seq_ids, positions), got {type(step).__name__}"
+            )
         plan = self._plan_step(step)
         self._plan = plan
         self.generation += 1
@@ -107,9 +110,10 @@ class CacheBase(Generic[PlanT]):
 
 
 def require_count(name: str, n: object) -> int:
-    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-        raise ValueError(f"{name} must be a non-negative integer, got {n!r}")
-    return n
+    count = as_index(n)
+    if count is None:
+        raise InvalidStep(f"{name} must be a non-negative integer, got {n!r}")
+    return count
 
 
 class IdPool:
@@ -122,7 +126,8 @@ class IdPool:
         self._next = 0
 
     def __contains__(self, seq_id: object) -> bool:
-        return seq_id in self._live
+        # as_index first: True would otherwise match id 1, and a list would not hash.
+        return as_index(seq_id) is not None and seq_id in self._live
 
     def __len__(self) -> int:
         return len(self._live)

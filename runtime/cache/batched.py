@@ -16,7 +16,7 @@ from .sequence import (
     plan_spans,
     ring_slots,
 )
-from .step import ALLOWED, Step, Verdict
+from .step import Step, Verdict, as_index
 
 
 class BatchedSequenceCache(CacheBase[SequenceStepPlan]):
@@ -77,7 +77,7 @@ class BatchedSequenceCache(CacheBase[SequenceStepPlan]):
         if src not in self._ids:
             return Verdict(not_live(src).reason)
         row = self._rows[src]
-        if isinstance(upto, bool) or not isinstance(upto, int) or not 0 < upto <= row.length:
+        if as_index(upto) is None or not 0 < upto <= row.length:
             return Verdict(
                 f"a fork of sequence {src} must keep 1..{row.length} positions, got {upto!r}"
             )
@@ -99,6 +99,7 @@ class BatchedSequenceCache(CacheBase[SequenceStepPlan]):
         verdict = self.can_clone(src, upto)
         if not verdict:
             raise CacheRefused(verdict.reason or "")
+        upto = as_index(upto)
         dst = self._ids.take()
         self._rows[dst] = SequenceHistory(upto, self._rows[src].written)
         self._held += upto
@@ -111,6 +112,7 @@ class BatchedSequenceCache(CacheBase[SequenceStepPlan]):
         if not verdict:
             raise CacheRefused(verdict.reason or "")
         row = self._rows[seq_id]
+        position = as_index(position)
         self._held -= row.length - position
         row.length = position
         self._drop_step()

@@ -22,7 +22,7 @@ from .base import CacheBase, IdPool, not_live
 from .config import CacheConfig, CacheGeometry
 from .errors import CacheRefused, StepStateError
 from .sequence import CacheUsage
-from .step import ALLOWED, Step, Verdict
+from .step import ALLOWED, Step, Verdict, as_index
 
 
 class _SeqCells:
@@ -109,18 +109,56 @@ class CellStepPlan:
             self._memo["owned"] = owned
         return self._memo["owned"]
 
+    def _by_sequence(self) -> tuple[np.ndarray, np.ndarray]:
+        """Every cell the step's sequences own after the step, grouped by sequence (in
+        ``seqs`` order) and by position within each: ``(cells, keys)`` with
+        ``keys = k * 2**32 + position`` ascending, k the sequence's index in ``seqs``."""
+        if "by_seq" not in self._memo:
+            self._current()
+            order = np.argsort(self.query_seq, kind="stable")  # token order within a sequence
+            split = np.cumsum(np.bincount(self.query_seq, minlength=len(self.seqs)))[:-1]
+            cells, positions, counts = [], [], []
+            for seq_id, step_cells, step_pos in zip(
+                self.seqs, np.split(self.cells[order], split), np.split(self.query_pos[order], split)
+            ):
+                held = self._cache._seq_cells[seq_id]
+                # The step's positions are newer than any the sequence holds: still sorted.
+                cells += [held.held_cells(), step_cells]
+                positions += [held.positions[: held.n], step_pos]
+                counts.append(held.n + len(step_cells))
+            index = np.repeat(np.arange(len(self.seqs), dtype=np.int64), counts)
+            keys = (index << 32) + np.concatenate(positions)
+            self._memo["by_seq"] = (np.concatenate(cells), keys)
+        return self._memo["by_seq"]
+
     def mask(self, window: int) -> np.ndarray:
-        """bool [T, read_len]: token i may attend cell j (host-side; built once per window)."""
+        """bool [T, read_len]: token i may attend cell j (host-side; built once per window).
+
+        Token i sees the cells its sequence owns at positions ``(p_i - window, p_i]``
+        (``[0, p_i]`` when ``window`` is 0). Built by searching each sequence's sorted
+        cells, so the cost follows the cells attended, not ``T * read_len``.
+        """
         key = ("mask", window)
         if key not in self._memo:
-            pos = self.cell_pos[None, :]
-            qpos = self.query_pos[:, None]
-            mask = self.owned[self.query_seq] & (pos <= qpos)
-            if window:
-                mask &= pos > qpos - window
+            cells, keys = self._by_sequence()
+            base = self.query_seq << 32
+            oldest = np.maximum(self.query_pos - window + 1, 0) if window else 0
+            lo = np.searchsorted(keys, base + oldest)
+            hi = np.searchsorted(keys, base + self.query_pos, side="right")
+            rows, picks = _ragged(np.arange(len(self.step)), lo, hi)
+            mask = np.zeros((len(self.step), self.read_len), dtype=bool)
+            mask[rows, cells[picks]] = True
             mask.flags.writeable = False
             self._memo[key] = mask
         return self._memo[key]
+
+
+def _ragged(rows: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Row ``rows[i]`` paired with each index in ``[lo[i], hi[i])``, flattened."""
+    lengths = hi - lo
+    ends = np.cumsum(lengths)
+    flat = np.arange(int(ends[-1]) if len(ends) else 0)
+    return np.repeat(rows, lengths), flat + np.repeat(lo - (ends - lengths), lengths)
 
 
 def _readonly(a: np.ndarray) -> np.ndarray:
@@ -174,7 +212,7 @@ class CellCache(CacheBase[CellStepPlan]):
     def can_rewind(self, seq_id: int, position: int) -> Verdict:
         if seq_id not in self._ids:
             return Verdict(not_live(seq_id).reason)
-        if isinstance(position, bool) or not isinstance(position, int) or position < 0:
+        if as_index(position) is None:
             return Verdict(f"rewind position must be a non-negative integer, got {position!r}")
         held = self._seq_cells[seq_id].next_pos
         if position > held:
@@ -200,6 +238,7 @@ class CellCache(CacheBase[CellStepPlan]):
         del self._seq_cells[seq_id]
         self._ids.release(seq_id)
         self._drop_step()
+        self._release_sequence(seq_id)
 
     def rewind(self, seq_id: int, position: int) -> None:
         verdict = self.can_rewind(seq_id, position)
@@ -215,7 +254,7 @@ class CellCache(CacheBase[CellStepPlan]):
         if src not in self._ids:
             return Verdict(not_live(src).reason)
         seq = self._seq_cells[src]
-        if isinstance(upto, bool) or not isinstance(upto, int) or not 0 < upto <= seq.next_pos:
+        if as_index(upto) is None or not 0 < upto <= seq.next_pos:
             return Verdict(
                 f"a fork of sequence {src} must end at 1..{seq.next_pos}, got {upto!r}"
             )
@@ -236,12 +275,14 @@ class CellCache(CacheBase[CellStepPlan]):
         self._seq_cells[dst] = _SeqCells(seq.cells[:cut].copy(), seq.positions[:cut].copy())
         self._refs[seq.cells[:cut]] += 1
         self._drop_step()
+        self._fork_sequence(src, dst, upto)
         return dst
 
     def clear(self) -> None:
         self._ids.clear()
         self._reset_table()
         self._drop_step()
+        self._clear_storage()
 
     # -- step -------------------------------------------------------------------------
     def _plan_step(self, step: Step) -> CellStepPlan:
@@ -292,6 +333,18 @@ class CellCache(CacheBase[CellStepPlan]):
 
     def _abandon(self, plan: CellStepPlan) -> None:
         """Nothing was claimed: cells are claimed only when a step finishes."""
+
+    # -- byte-layer hooks (run after the bookkeeping changed) ----------------------------
+    # Cells are shared, not copied: a fork or a removal changes only the bookkeeping, so
+    # most byte layers need none of these; they exist so every batched kind has the same.
+    def _release_sequence(self, seq_id: int) -> None:
+        """A sequence was removed (its unshared cells are free)."""
+
+    def _fork_sequence(self, src: int, dst: int, upto: int) -> None:
+        """``dst`` now shares ``src``'s cells below ``upto``."""
+
+    def _clear_storage(self) -> None:
+        """Every cell is free; byte layers may drop their pools."""
 
     # -- cell table ---------------------------------------------------------------------
     def _lowest_free(self, n: int) -> np.ndarray:

@@ -6,22 +6,30 @@ from the user. Both validate on construction, so a cache never sees a bad value.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
 from typing import Optional, Sequence
 
 from .errors import InvalidCacheConfig
+from .step import MAX_INDEX, integer
 
 KV_DTYPES = ("float32", "float16", "bfloat16")
 
 
 def require_int(name: str, value: object, minimum: int) -> int:
-    """``value`` as an int >= ``minimum``, or InvalidCacheConfig naming ``name``."""
-    if isinstance(value, bool) or not isinstance(value, int):
+    """``value`` as an int in ``[minimum, MAX_INDEX]``, or InvalidCacheConfig naming ``name``."""
+    i = integer(value)
+    if i is None:
         raise InvalidCacheConfig(f"{name} must be an integer, got {value!r}")
-    if value < minimum:
-        raise InvalidCacheConfig(f"{name} must be >= {minimum}, got {value}")
-    return value
+    if not minimum <= i <= MAX_INDEX:
+        raise InvalidCacheConfig(f"{name} must lie in [{minimum}, {MAX_INDEX}], got {i}")
+    return i
+
+
+def _set_int(obj: object, field_name: str, minimum: int, label: Optional[str] = None) -> None:
+    """Validate an int field of a frozen dataclass and store it as a Python int."""
+    value = require_int(label or field_name, getattr(obj, field_name), minimum)
+    object.__setattr__(obj, field_name, value)
 
 
 class PolicyKind(str, Enum):
@@ -48,13 +56,14 @@ class LayerPolicy:
             ) from None
         object.__setattr__(self, "kind", kind)
         if kind is PolicyKind.FLAT:
-            if self.window != 0:
+            if integer(self.window) != 0:
                 raise InvalidCacheConfig(
                     f"a flat layer keeps all history and takes window 0, got {self.window!r}; "
                     "use LayerPolicy.ring(window) for a sliding window"
                 )
+            object.__setattr__(self, "window", 0)
         else:
-            require_int("ring window", self.window, 1)
+            _set_int(self, "window", 1, "ring window")
 
     @classmethod
     def flat(cls) -> "LayerPolicy":
@@ -87,11 +96,11 @@ class LayerGeometry:
     def __post_init__(self) -> None:
         if not isinstance(self.policy, LayerPolicy):
             raise InvalidCacheConfig(f"policy must be a LayerPolicy, got {self.policy!r}")
-        require_int("n_kv_heads", self.n_kv_heads, 1)
-        require_int("head_dim", self.head_dim, 1)
+        _set_int(self, "n_kv_heads", 1)
+        _set_int(self, "head_dim", 1)
         if self.v_head_dim is None:
             object.__setattr__(self, "v_head_dim", self.head_dim)
-        require_int("v_head_dim", self.v_head_dim, 1)
+        _set_int(self, "v_head_dim", 1)
 
 
 @dataclass(frozen=True)
@@ -101,7 +110,12 @@ class CacheGeometry:
     layers: tuple[LayerGeometry, ...]
 
     def __post_init__(self) -> None:
-        layers = tuple(self.layers)
+        try:
+            layers = tuple(self.layers)
+        except TypeError:
+            raise InvalidCacheConfig(
+                f"a cache geometry takes a sequence of LayerGeometry, got {self.layers!r}"
+            ) from None
         if not layers:
             raise InvalidCacheConfig("a cache geometry needs at least one layer")
         for i, layer in enumerate(layers):
@@ -154,13 +168,23 @@ class CacheConfig:
     max_seqs: Optional[int] = None
 
     def __post_init__(self) -> None:
-        require_int("capacity", self.capacity, 1)
+        _set_int(self, "capacity", 1)
         if self.max_write is not None:
-            require_int("max_write", self.max_write, 1)
-        require_int("initial_capacity", self.initial_capacity, 0)
+            _set_int(self, "max_write", 1)
+        _set_int(self, "initial_capacity", 0)
         if self.kv_dtype not in KV_DTYPES:
             raise InvalidCacheConfig(
                 f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}"
             )
         if self.max_seqs is not None:
-            require_int("max_seqs", self.max_seqs, 1)
+            _set_int(self, "max_seqs", 1)
+
+
+def check_cache_inputs(geometry: object, config: object) -> None:
+    """InvalidCacheConfig unless a cache can be built from ``geometry`` and ``config``."""
+    if not isinstance(geometry, CacheGeometry):
+        raise InvalidCacheConfig(
+            f"geometry must be a CacheGeometry, got {type(geometry).__name__}"
+        )
+    if not isinstance(config, CacheConfig):
+        raise InvalidCacheConfig(f"config must be a CacheConfig, got {type(config).__name__}")

@@ -169,4 +169,4 @@ class PolicyTable:
 
     def plan(self, position: int, count: int) -> tuple[RunPlan, ...]:
         """One plan per distinct layout."""
-        return tuple(layout.plan(position, count) for layout in self.layouts)
+        return tuple([layout.plan(position, count) for layout in self.layouts])

@@ -8,8 +8,8 @@ from __future__ import annotations
 import threading
 from typing import Any, Callable
 
-from .config import CacheConfig, CacheGeometry
-from .errors import CacheError, CacheKindNotFound, CacheRegistrationError, InvalidCacheConfig
+from .config import CacheConfig, CacheGeometry, check_cache_inputs
+from .errors import CacheError, CacheKindNotFound, CacheRegistrationError
 
 KIND_SINGLE = "single"
 KIND_BATCHED_CELL = "batched-cell"
@@ -49,10 +49,8 @@ class CacheFactory:
             raise CacheKindNotFound(
                 f"no '{kind}' cache registered for '{backend_id}'; registered: {registered}"
             )
-        if not isinstance(geometry, CacheGeometry):
-            raise InvalidCacheConfig(f"geometry must be a CacheGeometry, got {geometry!r}")
-        if not isinstance(config, CacheConfig):
-            raise InvalidCacheConfig(f"config must be a CacheConfig, got {config!r}")
+        # Checked here too: a builder need not be one of the kinds, which check themselves.
+        check_cache_inputs(geometry, config)
         cache = builder(geometry, config)
         if cache is None:
             raise CacheError(f"the '{kind}' builder for '{backend_id}' returned no cache")

@@ -15,7 +15,7 @@ from .base import CacheBase, require_count
 from .config import CacheConfig, CacheGeometry
 from .errors import CacheRefused
 from .plans import PolicyTable, RingLayout, RunPlan
-from .step import ALLOWED, Span, Step, Verdict
+from .step import ALLOWED, Span, Step, Verdict, as_index, require_layer
 
 
 @dataclass
@@ -27,7 +27,7 @@ class SequenceHistory:
         return table.floor(self.written)
 
     def rewind_verdict(self, position: object, table: PolicyTable) -> Verdict:
-        if isinstance(position, bool) or not isinstance(position, int) or position < 0:
+        if as_index(position) is None:
             return Verdict(f"rewind position must be a non-negative integer, got {position!r}")
         if position > self.length:
             return Verdict(
@@ -71,7 +71,8 @@ class SequenceStepPlan:
     layer_layout: tuple[int, ...]
 
     def runs_for_layer(self, layer: int) -> tuple[tuple[Span, RunPlan], ...]:
-        index = self.layer_layout[layer]
+        """Each span with its plan on ``layer``'s layout, in token order."""
+        index = self.layer_layout[require_layer(layer, len(self.layer_layout))]
         return tuple((sp.span, sp.runs[index]) for sp in self.spans)
 
 
@@ -84,28 +85,29 @@ def plan_spans(
     span in this step ended. Ring layers take at most ``max_write`` tokens per sequence.
     """
     running: dict[int, int] = {}
-    taken: dict[int, int] = {}
     plans = []
     limit = table.smallest_max_write
     positions = step.positions
     for span in step.spans():
-        expected = running.get(span.seq_id, histories[span.seq_id].length)
-        got = positions[span.start : span.start + span.count]
-        if got != tuple(range(expected, expected + span.count)):
+        seq_id, start, count = span.seq_id, span.start, span.count
+        length = histories[seq_id].length
+        expected = running.get(seq_id, length)
+        got = positions[start : start + count]
+        # Decode spans (one token) skip building the expected range.
+        if got[0] != expected or (count > 1 and got != tuple(range(expected, expected + count))):
             shown = list(got) if len(got) <= 8 else f"[{got[0]}, ..., {got[-1]}]"
             raise CacheRefused(
-                f"sequence {span.seq_id} continues at position {expected}, but the step "
+                f"sequence {seq_id} continues at position {expected}, but the step "
                 f"gives it positions {shown}; rewind first to rewrite history"
             )
-        running[span.seq_id] = expected + span.count
-        taken[span.seq_id] = taken.get(span.seq_id, 0) + span.count
-        if limit is not None and taken[span.seq_id] > limit:
+        running[seq_id] = end = expected + count
+        if limit is not None and end - length > limit:
             raise CacheRefused(
-                f"sequence {span.seq_id} writes {taken[span.seq_id]} tokens in one step, "
+                f"sequence {seq_id} writes {end - length} tokens in one step, "
                 f"but sliding-window layers take at most {limit} (max_write); "
                 "split the step into smaller chunks"
             )
-        plans.append(SpanPlan(span, table.plan(span.position, span.count)))
+        plans.append(SpanPlan(span, table.plan(expected, count)))
     return tuple(plans)
 
 
@@ -170,7 +172,7 @@ class SingleCache(CacheBase[SequenceStepPlan]):
         verdict = self.can_rewind(position)
         if not verdict:
             raise CacheRefused(verdict.reason or "")
-        self.history.length = position
+        self.history.length = as_index(position)
         self._drop_step()
 
     def clear(self) -> None:

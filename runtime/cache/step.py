@@ -1,28 +1,53 @@
 """A step: the tokens of one forward, each with its sequence and position."""
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
-from .errors import InvalidStep
+from .errors import AttendError, InvalidStep
 
 # Positions and ids travel as int32 on device; anything larger is a caller bug.
 MAX_INDEX = 2**31 - 1
 
 
+def integer(value: object) -> Optional[int]:
+    """``value`` as a Python int if it is an integer of any kind (Python, numpy, 0-d
+    integer tensor), else None. Bools and floats are not integers here."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+
+
+def as_index(value: object) -> Optional[int]:
+    """``value`` as an int in ``[0, MAX_INDEX]`` (an id, position or count), else None."""
+    i = integer(value)
+    return i if i is not None and 0 <= i <= MAX_INDEX else None
+
+
+def require_layer(layer: object, n_layers: int) -> int:
+    """``layer`` as an index into ``n_layers`` cache layers, else AttendError."""
+    i = integer(layer)
+    if i is None or not 0 <= i < n_layers:
+        raise AttendError(
+            f"cache layer {layer!r} does not exist; the model has cache layers 0..{n_layers - 1}"
+        )
+    return i
+
+
 def _as_int_tuple(name: str, values: Iterable[object]) -> tuple[int, ...]:
+    try:
+        items = tuple(values)
+    except TypeError:
+        raise InvalidStep(f"{name} must be a sequence of integers, got {values!r}") from None
     out = []
-    for v in values:
-        if isinstance(v, bool):
-            raise InvalidStep(f"{name} must be integers, got {v!r}")
-        try:
-            i = int(v)  # type: ignore[call-overload]
-        except (TypeError, ValueError):
-            raise InvalidStep(f"{name} must be integers, got {v!r}") from None
-        if i != v:
-            raise InvalidStep(f"{name} must be integers, got {v!r}")
-        if not 0 <= i <= MAX_INDEX:
-            raise InvalidStep(f"{name} must lie in [0, {MAX_INDEX}], got {i}")
+    for v in items:
+        i = as_index(v)
+        if i is None:
+            raise InvalidStep(f"{name} must be integers in [0, {MAX_INDEX}], got {v!r}")
         out.append(i)
     return tuple(out)
 
