@@ -35,5 +35,13 @@ bench: $(STAMP) blas
 schemas: $(STAMP)
 	$(PY) -m mlx_pte.schemas.generate
 
+# `make demo [MODEL=checkpoint_dir] [PROMPT=...]`: export, generate, print text and speed.
+MODEL ?= models/default
+PROMPT ?= The for statement
+demo: $(STAMP) blas
+	@mkdir -p out
+	$(PY) -m mlx_pte export $(MODEL) -o out/demo.pte
+	$(PY) -m mlx_pte run out/demo.pte --prompt "$(PROMPT)" --max-new-tokens 100
+
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

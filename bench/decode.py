@@ -1,0 +1,133 @@
+"""Prefill and decode speed of mlx-pte against mlx-lm and HF eager, on one checkpoint, in
+one process run.
+
+    .venv/bin/python bench/decode.py MODEL_DIR [--prompt 128 --generate 64]
+    .venv/bin/python bench/decode.py --make-model /tmp/llama135m   # a 135M Llama-shaped
+                                                                  # checkpoint, random weights
+
+Every engine decodes greedily from the same random prompt ids without stopping at eos,
+computing in float32. Prefill time covers the prompt's forward(s) and the first token;
+decode time covers the remaining tokens.
+"""
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+import mlx_pte.runtime.mlx.blas  # noqa: F401  (before mlx.core: fast BLAS)
+import mlx.core as mx
+
+
+def make_model(out: Path) -> Path:
+    """A SmolLM-135M-shaped Llama checkpoint with random weights (no download)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tests.fixtures.tiny_models import save_tokenizer_for  # type: ignore
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+        num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048,
+        tie_word_embeddings=True, rope_theta=10000.0,
+    )
+    LlamaForCausalLM(config).eval().save_pretrained(out)
+    save_tokenizer_for(out, config.vocab_size)
+    return out
+
+
+def bench_mlx_pte(model_dir: Path, prompt: list[int], n: int, work: Path) -> tuple[float, float]:
+    from mlx_pte.export.hf_export import export_hf
+    from mlx_pte.interpreter import load
+    from mlx_pte.interpreter.generate import generate
+    from mlx_pte.interpreter.session import Session
+
+    pte = export_hf(model_dir, work / "model.pte", dtype="float32", max_step=256, progress=False)
+    program = load(pte)
+    generate(Session(program), prompt[:8], max_new_tokens=4, stop_on_eos=False)  # warm-up
+    result = generate(Session(program), prompt, max_new_tokens=n, stop_on_eos=False)
+    return result.prefill_tps, result.decode_tps
+
+
+def bench_mlx_lm(model_dir: Path, prompt: list[int], n: int) -> tuple[float, float]:
+    from mlx.utils import tree_map
+    from mlx_lm import load as mlx_lm_load
+    from mlx_lm.generate import generate_step
+
+    model, _ = mlx_lm_load(str(model_dir))
+    model.update(tree_map(lambda p: p.astype(mx.float32), model.parameters()))
+
+    def run(ids, count):
+        t0 = time.perf_counter()
+        first = None
+        for i, (token, _) in zip(range(count), generate_step(mx.array(ids), model, max_tokens=count)):
+            if i == 0:
+                first = time.perf_counter()
+        return first - t0, time.perf_counter() - first
+
+    run(prompt[:8], 4)
+    prefill, decode = run(prompt, n)
+    return len(prompt) / prefill, (n - 1) / decode
+
+
+def bench_hf(model_dir: Path, prompt: list[int], n: int) -> tuple[float, float]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, local_files_only=True).eval()
+
+    @torch.no_grad()
+    def run(ids, count):
+        t0 = time.perf_counter()
+        out = model(torch.tensor([ids]), use_cache=True)
+        token = int(out.logits[0, -1].argmax())
+        t1 = time.perf_counter()
+        past = out.past_key_values
+        for _ in range(count - 1):
+            out = model(torch.tensor([[token]]), past_key_values=past, use_cache=True)
+            past, token = out.past_key_values, int(out.logits[0, -1].argmax())
+        return t1 - t0, time.perf_counter() - t1
+
+    run(prompt[:8], 4)
+    prefill, decode = run(prompt, n)
+    return len(prompt) / prefill, (n - 1) / decode
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("model_dir", nargs="?", type=Path, help="local HF checkpoint directory")
+    parser.add_argument("--make-model", type=Path, help="write a 135M Llama-shaped checkpoint here and use it")
+    parser.add_argument("--prompt", type=int, default=128, help="prompt length in tokens")
+    parser.add_argument("--generate", type=int, default=64, help="tokens to generate")
+    parser.add_argument("--skip", action="append", default=[], choices=["mlx-lm", "hf"], help="leave a peer out")
+    args = parser.parse_args()
+    model_dir = make_model(args.make_model) if args.make_model else args.model_dir
+    if model_dir is None:
+        parser.error("give MODEL_DIR or --make-model DIR")
+    import json
+
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    prompt = np.random.default_rng(0).integers(0, vocab, args.prompt).tolist()
+
+    rows = {}
+    with tempfile.TemporaryDirectory() as work:
+        rows["mlx-pte"] = bench_mlx_pte(model_dir, prompt, args.generate, Path(work))
+    if "mlx-lm" not in args.skip:
+        rows["mlx-lm"] = bench_mlx_lm(model_dir, prompt, args.generate)
+    if "hf" not in args.skip:
+        rows["hf-eager"] = bench_hf(model_dir, prompt, args.generate)
+
+    print(f"\n{model_dir}: prompt {args.prompt}, generate {args.generate}, float32, device {mx.default_device()}")
+    print(f"{'engine':<10} {'prefill tok/s':>14} {'decode tok/s':>13} {'prefill x':>10} {'decode x':>9}")
+    base_p, base_d = rows["mlx-pte"]
+    for name, (p, d) in rows.items():
+        print(f"{name:<10} {p:>14.1f} {d:>13.2f} {base_p / p:>10.2f} {base_d / d:>9.2f}")
+    print("(x = mlx-pte speed / engine speed)")
+
+
+if __name__ == "__main__":
+    main()

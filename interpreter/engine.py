@@ -1,0 +1,800 @@
+"""Continuous batching: many requests over one batched cache, one forward per iteration.
+
+Each iteration builds ONE step: the pending token of every decoding sample first, then
+prefill chunks of admitted requests in arrival order, then the first chunk of each newly
+admitted request, up to the token budget (``max_batch_tokens``, at most the model's
+``max_step``). Requests are admitted strictly first-in first-out.
+
+Admission reserves each request's worst-case footprint (every sample grown to its final
+length) against the cache's capacity, and one decode slot per sample against the token
+budget. So a running sample always has room for its next token and a place in the next
+step, and the engine never has to preempt; the cache's own ``check_step`` is the final
+gate for every request it admits. A request that could never fit is refused at submit.
+
+``n > 1`` samples of one prompt prefill once; right after the prefill the sequence is
+forked (``seq_clone``) once per extra sample, each sample drawing from the same last-row
+logits with its own sampler (seeds ``seed, seed + 1, ...``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Callable, Iterator, Optional, Sequence, Union
+
+import numpy as np
+
+from mlx_pte.runtime.cache import KIND_BATCHED_CELL, KIND_BATCHED_SEQUENCE, Step
+
+from .sampling import Sampler, SamplingParams
+from .text import IncrementalDecoder, TextCodec
+
+BATCHED_KINDS = (KIND_BATCHED_SEQUENCE, KIND_BATCHED_CELL)
+
+
+class EngineError(ValueError):
+    """A request or engine setting the engine cannot take; the message says what to change."""
+
+
+class RequestRejected(EngineError):
+    """A request that can never run with this engine's capacity, context or batch limits."""
+
+
+class RequestFailed(RuntimeError):
+    """A request that failed while running (its forward raised, or the engine stopped)."""
+
+
+class Status(str, Enum):
+    QUEUED = "queued"
+    PREFILL = "prefill"
+    DECODING = "decoding"
+    DONE = "done"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+FINISHED = (Status.DONE, Status.FAILED, Status.CANCELLED)
+
+
+@dataclass(frozen=True)
+class Request:
+    """What to generate.
+
+    Args:
+        prompt: text (needs the program's tokenizer) or token ids.
+        max_tokens: the most tokens each sample generates.
+        sampling: temperature / top-k / top-p / seed; sample ``i`` uses ``seed + i``.
+        stop: strings that end a sample; the text is cut before the first one.
+        stop_ids: token ids that end a sample (kept in its tokens, like eos).
+        n: samples of the prompt, prefilled once and forked.
+        ignore_eos: keep generating past the model's eos tokens.
+    """
+
+    prompt: Union[str, Sequence[int]]
+    max_tokens: int = 128
+    sampling: SamplingParams = SamplingParams()
+    stop: tuple[str, ...] = ()
+    stop_ids: tuple[int, ...] = ()
+    n: int = 1
+    ignore_eos: bool = False
+
+
+@dataclass(frozen=True)
+class Event:
+    """One thing that happened to a request, in order.
+
+    A token event carries ``token`` and the new ``text`` it made visible (may be empty:
+    text that could still become a stop string, or half a character, is held back). The
+    last event of each sample has ``finish_reason`` ("stop" | "length" | "capacity" |
+    "cancelled") and any text released at the end. A failed request ends with one event
+    carrying ``error``.
+    """
+
+    request_id: int
+    index: int
+    token: Optional[int] = None
+    text: str = ""
+    finish_reason: Optional[str] = None
+    error: Optional[str] = None
+
+
+@dataclass
+class RequestStats:
+    """Timings of one request (``time.perf_counter`` seconds)."""
+
+    prompt_tokens: int
+    submitted: float
+    admitted: Optional[float] = None
+    first_token: Optional[float] = None
+    finished: Optional[float] = None
+    generated_tokens: int = 0  # over all samples
+    decoded_tokens: int = 0  # produced by decode steps: all but each sample's first
+
+    @property
+    def queue_seconds(self) -> float:
+        return (self.admitted or self.submitted) - self.submitted
+
+    @property
+    def prefill_tps(self) -> float:
+        if self.admitted is None or self.first_token is None or self.first_token <= self.admitted:
+            return 0.0
+        return self.prompt_tokens / (self.first_token - self.admitted)
+
+    @property
+    def decode_tps(self) -> float:
+        """Tokens per second after the first (which the prefill produces), all samples."""
+        if self.first_token is None or self.finished is None or self.finished <= self.first_token:
+            return 0.0
+        return self.decoded_tokens / (self.finished - self.first_token)
+
+
+@dataclass(frozen=True)
+class SampleResult:
+    index: int
+    tokens: list[int]
+    text: str
+    finish_reason: str
+
+
+@dataclass(frozen=True)
+class Completion:
+    request_id: int
+    prompt_tokens: int
+    samples: list[SampleResult]
+    stats: RequestStats
+
+
+@dataclass
+class EngineStats:
+    """Totals over the engine's life. Decode-only steps are counted apart, since their
+    rate is the batched decode speed (steps that carry prefill tokens are slower)."""
+
+    steps: int = 0
+    step_tokens: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    busy_seconds: float = 0.0
+    decode_steps: int = 0
+    decode_tokens: int = 0
+    decode_seconds: float = 0.0
+
+    @property
+    def decode_tps(self) -> float:
+        return self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0
+
+    @property
+    def throughput_tps(self) -> float:
+        """Generated tokens per second of forward time, prefill included."""
+        return self.generated_tokens / self.busy_seconds if self.busy_seconds else 0.0
+
+    @property
+    def mean_decode_batch(self) -> float:
+        return self.decode_tokens / self.decode_steps if self.decode_steps else 0.0
+
+
+@dataclass(frozen=True)
+class SequenceState:
+    """One live cache sequence as the engine accounts for it."""
+
+    request_id: int
+    index: int  # sample index (0 while the prompt is prefilled)
+    seq_id: int
+    length: int  # positions the sequence holds
+
+
+class RequestHandle:
+    """The caller's side of a submitted request; safe to use from any thread.
+
+    Iterate it (or call ``events()``) for the stream of Events; ``result()`` waits for
+    the Completion. ``waiting_reason`` says why a queued request has not started yet.
+    """
+
+    def __init__(self, request_id: int, request: Request, prompt_tokens: int,
+                 on_event: Optional[Callable[[Event], None]]) -> None:
+        self.id = request_id
+        self.request = request
+        self.status = Status.QUEUED
+        self.waiting_reason: Optional[str] = None
+        self.error: Optional[str] = None
+        self.stats = RequestStats(prompt_tokens, time.perf_counter())
+        self._on_event = on_event
+        self._events: queue.Queue[Optional[Event]] = queue.Queue()
+        self._done = threading.Event()
+        self._cancelled = threading.Event()
+        self._completion: Optional[Completion] = None
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def cancel(self) -> None:
+        """Stop the request at the engine's next iteration; its sequences are removed."""
+        self._cancelled.set()
+
+    def events(self, timeout: Optional[float] = None) -> Iterator[Event]:
+        """Events as they happen, until the request ends; ``timeout`` bounds each wait.
+
+        The stream can be consumed once (by one iterator).
+        """
+        while True:
+            try:
+                event = self._events.get(timeout=timeout)
+            except queue.Empty:
+                raise TimeoutError(f"request {self.id} produced nothing for {timeout} s") from None
+            if event is None:
+                return
+            yield event
+
+    __iter__ = events
+
+    def result(self, timeout: Optional[float] = None) -> Completion:
+        """The completion; RequestFailed if the request failed or was cancelled."""
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"request {self.id} did not finish within {timeout} s")
+        if self._completion is None:
+            raise RequestFailed(self.error or f"request {self.id} was {self.status.value}")
+        return self._completion
+
+    # -- engine side --------------------------------------------------------------------
+    def _emit(self, event: Event) -> None:
+        self._events.put(event)
+        self._notify(event)
+
+    def _notify(self, event: Event) -> None:
+        if self._on_event is None:
+            return
+        try:
+            self._on_event(event)
+        except Exception:  # a broken consumer ends only its own request
+            self._cancelled.set()
+
+    def _close(self, status: Status, last: Event, completion: Optional[Completion] = None,
+               error: Optional[str] = None) -> None:
+        """End the request with ``last`` as its final event.
+
+        The handle is done before the callback sees ``last``, so a consumer reacting to
+        it can call ``result()`` at once.
+        """
+        self.status = status
+        self.error = error
+        self._completion = completion
+        self.stats.finished = time.perf_counter()
+        self._events.put(last)
+        self._events.put(None)
+        self._done.set()
+        self._notify(last)
+
+
+class StopText:
+    """Text released as it is generated, cut before the first stop string.
+
+    Holds back any tail that could still grow into a stop string, so streamed text
+    never shows part of one.
+    """
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.stops = tuple(s for s in stops if s)
+        self.text = ""
+        self.released = 0
+        self.stopped = False
+
+    def push(self, piece: str) -> str:
+        """Add decoded text; return what is now safe to show."""
+        self.text += piece
+        # Released text ends before any partial stop string, so none starts earlier.
+        hits = [i for i in (self.text.find(s, self.released) for s in self.stops) if i >= 0]
+        if hits:
+            self.text = self.text[: min(hits)]
+            self.stopped = True
+            return self.flush()
+        hold = max((k for s in self.stops for k in range(1, len(s)) if self.text.endswith(s[:k])), default=0)
+        end = max(self.released, len(self.text) - hold)
+        out = self.text[self.released : end]
+        self.released = end
+        return out
+
+    def flush(self) -> str:
+        out = self.text[self.released :]
+        self.released = len(self.text)
+        return out
+
+
+@dataclass
+class _Sample:
+    index: int
+    sampler: Sampler
+    stop_text: StopText
+    decoder: Optional[IncrementalDecoder]
+    seq_id: Optional[int] = None
+    length: int = 0  # positions its sequence holds
+    tokens: list[int] = field(default_factory=list)
+    pending: Optional[int] = None  # sampled, not yet fed
+    finish_reason: Optional[str] = None
+
+
+@dataclass
+class _Job:
+    handle: RequestHandle
+    ids: list[int]
+    cap: int  # the most positions each sample's sequence may hold
+    footprint: int  # reserved capacity units
+    samples: list[_Sample]
+    fed: int = 0  # prompt tokens prefilled
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.ids)
+
+    @property
+    def live(self) -> list[_Sample]:
+        return [s for s in self.samples if s.finish_reason is None and s.seq_id is not None]
+
+
+@dataclass
+class _StepBuild:
+    tokens: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    seq_ids: list[int] = field(default_factory=list)
+    # (token row, job, sample) for each row whose logits are sampled; sample None = the
+    # row ending a prompt (its job's samples draw their first tokens from it).
+    rows: list[tuple[int, _Job, Optional[_Sample]]] = field(default_factory=list)
+    chunks: list[tuple[_Job, int]] = field(default_factory=list)  # prompt tokens per job
+    jobs: dict[int, _Job] = field(default_factory=dict)  # every job in the step, by id
+
+    def add(self, job: _Job, seq_id: int, tokens: Sequence[int], start: int) -> None:
+        self.tokens.extend(tokens)
+        self.positions.extend(range(start, start + len(tokens)))
+        self.seq_ids.extend([seq_id] * len(tokens))
+        self.jobs[job.handle.id] = job
+
+    @property
+    def prefill_tokens(self) -> int:
+        return sum(count for _, count in self.chunks)
+
+    def with_prompt_chunk(self, seq_id: int, count: int) -> Step:
+        """This step plus the first ``count`` prompt tokens of a new sequence."""
+        return Step(tuple(self.seq_ids) + (seq_id,) * count, tuple(self.positions) + tuple(range(count)))
+
+
+def footprint(kind: str, prompt_len: int, n: int, final_len: int) -> int:
+    """Capacity units ``n`` samples of a prompt hold once each reaches ``final_len``.
+
+    A sequence layout charges every fork its prefix; cells are shared by forks.
+    """
+    if kind == KIND_BATCHED_CELL:
+        return prompt_len + n * (final_len - prompt_len)
+    return n * final_len
+
+
+class Engine:
+    """Continuous batching of generation requests over one batched cache.
+
+    Args:
+        program: a loaded Program.
+        kind: "batched-sequence" or "batched-cell".
+        capacity: the cache's capacity (positions held by all sequences, or cells);
+            defaults to the model's max context.
+        max_batch_tokens: the most tokens one forward carries (clamped to the model's
+            max step); also bounds how many samples decode at once.
+        max_seqs: the most live cache sequences.
+        kv_dtype, initial_capacity: passed to the cache (see Session).
+    """
+
+    def __init__(
+        self,
+        program,
+        kind: str = KIND_BATCHED_SEQUENCE,
+        capacity: Optional[int] = None,
+        max_batch_tokens: Optional[int] = None,
+        max_seqs: Optional[int] = None,
+        kv_dtype: Optional[str] = None,
+        initial_capacity: int = 512,
+    ) -> None:
+        if kind not in BATCHED_KINDS:
+            raise EngineError(f"the engine batches over {' or '.join(BATCHED_KINDS)}, not {kind!r}")
+        # Imported here so that building requests (and the server's parsing and command
+        # line) does not load MLX.
+        from .session import Session
+
+        self.session = Session(
+            program, kind, capacity=capacity, kv_dtype=kv_dtype,
+            initial_capacity=initial_capacity, max_seqs=max_seqs,
+        )
+        self.kind = kind
+        self.cache = self.session.cache
+        manifest = self.session.manifest
+        self.capacity = self.cache.capacity
+        self.max_context = manifest.max_context
+        self.max_seqs = max_seqs
+        budget = max_batch_tokens if max_batch_tokens is not None else manifest.max_step
+        if budget < 1:
+            raise EngineError(f"max_batch_tokens must be at least 1, got {budget}")
+        self.token_budget = min(budget, manifest.max_step)
+        self.vocab_size = manifest.vocab_size
+        self.eos_ids = frozenset(manifest.eos_token_ids)
+        self.codec = TextCodec(manifest) if manifest.tokenizer else None
+        self.stats = EngineStats()
+
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._inbox: list[_Job] = []
+        self._next_id = 0
+        self._waiting: deque[_Job] = deque()
+        self._active: list[_Job] = []  # admitted, in admission order
+        self._reserved = 0
+        self._slots = 0  # decode slots (samples) reserved by admitted jobs
+        self._worker: Optional[threading.Thread] = None
+        self._stopping = False
+
+    # -- submitting (any thread) ----------------------------------------------------------
+    def submit(self, request: Request, on_event: Optional[Callable[[Event], None]] = None) -> RequestHandle:
+        """Queue ``request``; returns its handle at once.
+
+        Args:
+            on_event: called on the engine's thread with each Event, as it happens.
+        Raises:
+            EngineError: a malformed request (empty prompt, unknown token ids, text
+                without a tokenizer, bad n or max_tokens).
+            RequestRejected: a request that can never fit this engine.
+        """
+        ids = self._prompt_ids(request)
+        cap, units = self._limits(request, len(ids))
+        with self._wake:
+            handle = RequestHandle(self._next_id, request, len(ids), on_event)
+            self._next_id += 1
+            self._inbox.append(_Job(handle, ids, cap, units, self._new_samples(request)))
+            self._wake.notify()
+        return handle
+
+    def encode(self, text: str) -> list[int]:
+        if self.codec is None:
+            raise EngineError(
+                "this program embeds no tokenizer; send token ids, or re-export from a checkpoint "
+                "directory that has tokenizer.json"
+            )
+        return self.codec.encode(text)
+
+    def _prompt_ids(self, request: Request) -> list[int]:
+        if isinstance(request.prompt, str):
+            ids = self.encode(request.prompt)
+        else:
+            ids = [int(t) for t in request.prompt]
+        if not ids:
+            raise EngineError("the prompt is empty; give at least one token")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise EngineError(f"token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+        return ids
+
+    def _limits(self, request: Request, prompt_len: int) -> tuple[int, int]:
+        """Validate ``request`` against the engine's fixed limits.
+
+        Returns:
+            The most positions each sample may hold, and the capacity units to reserve.
+        """
+        n = request.n
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise EngineError(f"n must be a positive integer, got {n!r}")
+        if isinstance(request.max_tokens, bool) or not isinstance(request.max_tokens, int) or request.max_tokens < 1:
+            raise EngineError(f"max_tokens must be a positive integer, got {request.max_tokens!r}")
+        if isinstance(request.stop, str) or not all(isinstance(s, str) and s for s in request.stop):
+            raise EngineError(f"stop must be a tuple of non-empty strings, got {request.stop!r}")
+        if request.stop and self.codec is None:
+            raise EngineError("stop strings need the program's tokenizer; use stop_ids instead")
+        if n > self.token_budget:
+            raise RequestRejected(
+                f"{n} samples need {n} decode tokens per step, but a step carries at most "
+                f"{self.token_budget}; lower n or raise max_batch_tokens"
+            )
+        if self.max_seqs is not None and n > self.max_seqs:
+            raise RequestRejected(f"{n} samples need {n} sequences, the cache allows {self.max_seqs}; lower n")
+        # Each sample's fair share of the cache, so n samples never outgrow it together.
+        if self.kind == KIND_BATCHED_CELL:
+            share = prompt_len + (self.capacity - prompt_len) // n
+        else:
+            share = self.capacity // n
+        cap = min(self.max_context, share)
+        if prompt_len + 1 > cap:
+            raise RequestRejected(
+                f"the prompt has {prompt_len} tokens, but each of its {n} sample(s) may hold at most "
+                f"{cap} positions (cache capacity {self.capacity}, model context {self.max_context}); "
+                "shorten the prompt, lower n or raise the capacity"
+            )
+        # The last sampled token is never fed, so a sample holds at most prompt + max - 1.
+        final_len = min(prompt_len + request.max_tokens - 1, cap)
+        return cap, footprint(self.kind, prompt_len, n, final_len)
+
+    def _new_samples(self, request: Request) -> list[_Sample]:
+        return [
+            _Sample(
+                index=i,
+                sampler=Sampler(_seeded(request.sampling, i)),
+                stop_text=StopText(request.stop),
+                decoder=IncrementalDecoder(self.codec) if self.codec else None,
+            )
+            for i in range(request.n)
+        ]
+
+    # -- running ------------------------------------------------------------------------
+    @property
+    def has_work(self) -> bool:
+        with self._lock:
+            return bool(self._inbox or self._waiting or self._active)
+
+    def step(self) -> bool:
+        """One iteration: admit, run one forward, sample, finish. False if idle."""
+        self._take_inbox()
+        self._drop_cancelled()
+        build = self._build_step()
+        if not build.tokens:
+            return False
+        last = len(build.tokens) - 1
+        rows = [r for r, _, _ in build.rows] or [last]  # the program needs at least one row
+        t0 = time.perf_counter()
+        try:
+            logits = self.session.forward(build.tokens, build.positions, build.seq_ids, rows)
+            logits_np = np.array(logits)
+        except Exception as exc:  # the step is aborted; fail only the requests in it
+            for job in build.jobs.values():
+                self._fail(job, f"the forward failed: {type(exc).__name__}: {exc}")
+            return True
+        self._account(build, time.perf_counter() - t0)
+        for k, (_, job, sample) in enumerate(build.rows):
+            if sample is None:
+                self._start_samples(job, logits_np[k])
+            else:
+                self._accept(job, sample, sample.sampler(logits_np[k]))
+        return True
+
+    def run(self) -> None:
+        """Iterate on the calling thread until every submitted request has ended."""
+        if self._worker is not None:
+            raise EngineError("the engine runs on its worker thread; submit and wait on handles instead")
+        while self.has_work:
+            self.step()
+
+    def start(self) -> None:
+        """Run the engine loop on a worker thread until ``stop()``."""
+        if self._worker is not None:
+            return
+        self._stopping = False
+        self._worker = threading.Thread(target=self._loop, name="mlx-pte-engine", daemon=True)
+        self._worker.start()
+
+    def stop(self, timeout: Optional[float] = None) -> None:
+        """Stop the worker; requests still in flight fail with a reason."""
+        with self._wake:
+            self._stopping = True
+            self._wake.notify()
+        if self._worker is not None:
+            self._worker.join(timeout)
+            self._worker = None
+        self._take_inbox()
+        for job in list(self._waiting) + list(self._active):
+            self._fail(job, "the engine stopped before the request finished")
+
+    def _loop(self) -> None:
+        while True:
+            with self._wake:
+                while not self._stopping and not (self._inbox or self._waiting or self._active):
+                    self._wake.wait()
+                if self._stopping:
+                    return
+            try:
+                self.step()
+            except Exception as exc:  # an engine bug must not kill the server
+                for job in list(self._waiting) + list(self._active):
+                    self._fail(job, f"the engine failed: {type(exc).__name__}: {exc}")
+
+    # -- views --------------------------------------------------------------------------
+    def sequences(self) -> list[SequenceState]:
+        """Every live cache sequence with the length the engine accounts to it."""
+        out = []
+        for job in self._active:
+            for s in job.samples:
+                if s.seq_id is not None and s.finish_reason is None:
+                    out.append(SequenceState(job.handle.id, s.index, s.seq_id, s.length))
+        return out
+
+    def waiting(self) -> list[RequestHandle]:
+        return [job.handle for job in self._waiting]
+
+    # -- one iteration --------------------------------------------------------------------
+    def _take_inbox(self) -> None:
+        with self._lock:
+            self._waiting.extend(self._inbox)
+            self._inbox.clear()
+
+    def _drop_cancelled(self) -> None:
+        for job in [j for j in self._waiting if j.handle._cancelled.is_set()]:
+            self._waiting.remove(job)
+            job.handle._close(Status.CANCELLED, Event(job.handle.id, 0, finish_reason="cancelled"))
+        for job in [j for j in self._active if j.handle._cancelled.is_set()]:
+            for sample in job.samples:
+                if sample.finish_reason is None:
+                    self._finish(job, sample, "cancelled")
+
+    def _build_step(self) -> _StepBuild:
+        build = _StepBuild()
+        for job in self._active:
+            for sample in job.live:
+                if sample.pending is not None:
+                    build.rows.append((len(build.tokens), job, sample))
+                    build.add(job, sample.seq_id, [sample.pending], sample.length)  # type: ignore[arg-type]
+        for job in self._active:
+            if job.fed < job.prompt_len and len(build.tokens) < self.token_budget:
+                self._add_chunk(build, job, job.samples[0].seq_id)  # type: ignore[arg-type]
+        while self._waiting and len(build.tokens) < self.token_budget:
+            head = self._waiting[0]
+            if not self._admit(head, build):
+                if not self._active:
+                    # Refused by an empty cache: it never will be admitted.
+                    self._waiting.popleft()
+                    self._fail(head, f"the request cannot start: {head.handle.waiting_reason}")
+                    continue
+                break
+            self._waiting.popleft()
+        return build
+
+    def _chunk_len(self, job: _Job, build: _StepBuild) -> int:
+        return min(job.prompt_len - job.fed, self.token_budget - len(build.tokens))
+
+    def _add_chunk(self, build: _StepBuild, job: _Job, seq_id: int) -> None:
+        count = self._chunk_len(job, build)
+        build.add(job, seq_id, job.ids[job.fed : job.fed + count], job.fed)
+        if job.fed + count == job.prompt_len:
+            build.rows.append((len(build.tokens) - 1, job, None))
+        build.chunks.append((job, count))
+
+    def _admit(self, job: _Job, build: _StepBuild) -> bool:
+        """Admit the head of the queue into ``build`` if room allows; else say why it waits."""
+        n = len(job.samples)
+        reason = None
+        if self._slots + n > self.token_budget:
+            reason = (
+                f"all {self.token_budget} decode slots of a step are taken ({self._slots} samples "
+                f"running); it starts when some finish"
+            )
+        elif self.max_seqs is not None and self._slots + n > self.max_seqs:
+            reason = f"all {self.max_seqs} cache sequences are taken; it starts when some finish"
+        elif self._reserved + job.footprint > self.capacity:
+            reason = (
+                f"it may grow to {job.footprint} of the cache's {self.capacity} units, and running "
+                f"requests have reserved {self._reserved}; it starts when some finish"
+            )
+        if reason is None:
+            seq_id = self.cache.seq_new()
+            verdict = self.cache.check_step(build.with_prompt_chunk(seq_id, self._chunk_len(job, build)))
+            if verdict:
+                job.samples[0].seq_id = seq_id
+                self._active.append(job)
+                self._reserved += job.footprint
+                self._slots += n
+                job.handle.status = Status.PREFILL
+                job.handle.waiting_reason = None
+                job.handle.stats.admitted = time.perf_counter()
+                self._add_chunk(build, job, seq_id)
+                return True
+            self.cache.seq_rm(seq_id)
+            reason = verdict.reason
+        job.handle.waiting_reason = reason
+        return False
+
+    def _account(self, build: _StepBuild, seconds: float) -> None:
+        for job, count in build.chunks:
+            job.fed += count
+            job.samples[0].length = job.fed
+        for _, _, sample in build.rows:
+            if sample is not None:
+                sample.length += 1
+                sample.pending = None
+        st = self.stats
+        st.steps += 1
+        st.step_tokens += len(build.tokens)
+        st.prompt_tokens += build.prefill_tokens
+        st.busy_seconds += seconds
+        if not build.chunks:
+            st.decode_steps += 1
+            st.decode_tokens += len(build.tokens)
+            st.decode_seconds += seconds
+
+    def _start_samples(self, job: _Job, row: np.ndarray) -> None:
+        """The prompt is in: fork one sequence per extra sample, then draw first tokens."""
+        first = job.samples[0]
+        for sample in job.samples[1:]:
+            sample.seq_id = self.cache.seq_clone(first.seq_id, job.prompt_len)
+            sample.length = job.prompt_len
+        job.handle.status = Status.DECODING
+        job.handle.stats.first_token = time.perf_counter()
+        for sample in job.samples:
+            self._accept(job, sample, sample.sampler(row), first_token=True)
+
+    def _accept(self, job: _Job, sample: _Sample, token: int, first_token: bool = False) -> None:
+        sample.tokens.append(token)
+        job.handle.stats.generated_tokens += 1
+        self.stats.generated_tokens += 1
+        if not first_token:
+            job.handle.stats.decoded_tokens += 1
+        piece = sample.stop_text.push(sample.decoder.push(token)) if sample.decoder else ""
+        request = job.handle.request
+        if sample.stop_text.stopped:
+            reason = "stop"
+        elif token in request.stop_ids or (token in self.eos_ids and not request.ignore_eos):
+            reason = "stop"
+        elif len(sample.tokens) >= request.max_tokens:
+            reason = "length"
+        elif sample.length + 1 > job.cap:
+            reason = "capacity"
+        else:
+            reason = None
+        job.handle._emit(Event(job.handle.id, sample.index, token, piece))
+        if reason is None:
+            sample.pending = token
+        else:
+            self._finish(job, sample, reason)
+
+    def _finish(self, job: _Job, sample: _Sample, reason: str) -> None:
+        sample.finish_reason = reason
+        sample.pending = None
+        tail = ""
+        if sample.decoder and not sample.stop_text.stopped and reason != "cancelled":
+            tail = sample.stop_text.push(sample.decoder.flush()) + sample.stop_text.flush()
+        if sample.stop_text.stopped:
+            sample.tokens = sample.tokens[: self._kept_tokens(sample)]
+        if sample.seq_id is not None:
+            # Keep the cache's history equal to what the caller sees, then drop it.
+            kept = min(job.prompt_len + len(sample.tokens), sample.length)
+            if kept < sample.length and self.cache.can_rewind(sample.seq_id, kept):
+                self.cache.rewind(sample.seq_id, kept)
+                sample.length = kept
+            self.cache.seq_rm(sample.seq_id)
+        event = Event(job.handle.id, sample.index, text=tail, finish_reason=reason)
+        if all(s.finish_reason is not None for s in job.samples):
+            self._complete(job, event)
+        else:
+            job.handle._emit(event)
+
+    def _kept_tokens(self, sample: _Sample) -> int:
+        """The most tokens whose text fits inside the text kept before the stop string."""
+        kept_text = sample.stop_text.text
+        for k in range(len(sample.tokens), -1, -1):
+            text = self.codec.decode(sample.tokens[:k])  # type: ignore[union-attr]
+            if kept_text.startswith(text):
+                return k
+        return 0
+
+    def _complete(self, job: _Job, last: Event) -> None:
+        self._release(job)
+        if any(s.finish_reason == "cancelled" for s in job.samples):
+            job.handle._close(Status.CANCELLED, last)
+            return
+        samples = [SampleResult(s.index, s.tokens, s.stop_text.text, s.finish_reason or "") for s in job.samples]
+        job.handle._close(Status.DONE, last, Completion(job.handle.id, job.prompt_len, samples, job.handle.stats))
+
+    def _fail(self, job: _Job, error: str) -> None:
+        if job.handle.status in FINISHED:
+            return
+        for sample in job.samples:
+            if sample.seq_id is not None and sample.finish_reason is None:
+                self.cache.seq_rm(sample.seq_id)
+            sample.finish_reason = sample.finish_reason or "error"
+        if job in self._waiting:
+            self._waiting.remove(job)
+        self._release(job)
+        job.handle._close(Status.FAILED, Event(job.handle.id, 0, error=error), error=error)
+
+    def _release(self, job: _Job) -> None:
+        if job in self._active:
+            self._active.remove(job)
+            self._reserved -= job.footprint
+            self._slots -= len(job.samples)
+
+
+def _seeded(params: SamplingParams, index: int) -> SamplingParams:
+    if params.seed is None or index == 0:
+        return params
+    return dataclasses.replace(params, seed=params.seed + index)

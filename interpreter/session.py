@@ -1,0 +1,173 @@
+"""A Session: one loaded program, one runtime-owned KV cache, and forwards over it.
+
+``forward`` declares the step to the cache, runs the program (one lazy MLX graph,
+evaluated once), and finishes the step; if the run fails the step is aborted, so the
+cache is exactly as before.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import numpy as np
+
+import mlx_pte.runtime.mlx  # noqa: F401  (registers the "mlx" cache kinds; loads BLAS first)
+import mlx.core as mx
+
+from mlx_pte.ir.manifest import Manifest
+from mlx_pte.runtime.cache import (
+    CACHE_FACTORY,
+    KIND_SINGLE,
+    CacheConfig,
+    CacheGeometry,
+    LayerGeometry,
+    LayerPolicy,
+    Step,
+)
+
+
+class SessionError(ValueError):
+    """A forward that cannot run as asked; the message says what to change."""
+
+
+def cache_geometry(manifest: Manifest) -> CacheGeometry:
+    return CacheGeometry(
+        tuple(
+            LayerGeometry(LayerPolicy.from_window(c.window), c.n_kv_heads, c.head_dim, c.v_head_dim)
+            for c in manifest.cache
+        )
+    )
+
+
+def _int_array(name: str, values: Sequence[int] | np.ndarray) -> np.ndarray:
+    array = np.asarray(values)
+    if array.ndim != 1 or (array.size and not np.issubdtype(array.dtype, np.integer)):
+        raise SessionError(f"{name} must be a 1-D sequence of integers")
+    return array.astype(np.int64)
+
+
+class Session:
+    """Forwards of ``program`` over a cache of ``kind``.
+
+    Args:
+        program: a loaded Program (its manifest gives the cache geometry).
+        kind: "single", "batched-cell" or "batched-sequence".
+        capacity: the cache's capacity (meaning per kind: see CacheConfig);
+            defaults to the model's max context.
+        kv_dtype: K/V storage dtype; defaults to the model's dtype.
+        max_seqs: for batched kinds, the most live sequences.
+    """
+
+    def __init__(
+        self,
+        program,
+        kind: str = KIND_SINGLE,
+        capacity: Optional[int] = None,
+        kv_dtype: Optional[str] = None,
+        backend: str = "mlx",
+        initial_capacity: int = 512,
+        max_seqs: Optional[int] = None,
+    ) -> None:
+        self.program = program
+        self.manifest = Manifest.from_dict(program.manifest)
+        self.kind = kind
+        config = CacheConfig(
+            capacity=capacity if capacity is not None else self.manifest.max_context,
+            # A forward writes at most max_step tokens per sequence.
+            max_write=self.manifest.max_step,
+            initial_capacity=initial_capacity,
+            kv_dtype=kv_dtype or self.manifest.dtype,
+            max_seqs=max_seqs,
+        )
+        self.cache = CACHE_FACTORY.build(backend, kind, cache_geometry(self.manifest), config)
+
+    @property
+    def max_step(self) -> int:
+        return self.manifest.max_step
+
+    @property
+    def batched(self) -> bool:
+        return self.kind != KIND_SINGLE
+
+    def forward(
+        self,
+        tokens: Sequence[int] | np.ndarray,
+        positions: Optional[Sequence[int] | np.ndarray] = None,
+        seq_ids: Optional[Sequence[int] | np.ndarray | int] = None,
+        rows: Optional[Sequence[int] | np.ndarray] = None,
+    ) -> mx.array:
+        """Run one step and return float32 logits ``[R, V]`` for the selected rows.
+
+        Args:
+            tokens: the step's token ids, in token order.
+            positions: each token's position; by default each sequence continues where
+                it ends.
+            seq_ids: each token's sequence (an int applies to every token); required for
+                batched kinds, ignored (always 0) for ``single``.
+            rows: token indices whose logits are wanted; by default the last token of
+                each sequence in the step, in first-seen order.
+        """
+        tokens_a = _int_array("tokens", tokens)
+        count = len(tokens_a)
+        if count == 0:
+            raise SessionError("a forward needs at least one token")
+        if count > self.max_step:
+            raise SessionError(
+                f"{count} tokens exceed the model's max step of {self.max_step}; "
+                "split the prompt into chunks (generate() does this)"
+            )
+        ids = self._seq_ids(seq_ids, count)
+        pos = self._positions(positions, ids)
+        rows_a = self._rows(rows, ids)
+        step = Step(tuple(int(s) for s in ids), tuple(int(p) for p in pos))
+        self.cache.declare_step(step)
+        try:
+            (logits,) = self.program.run(
+                [tokens_a.reshape(1, count), pos, rows_a], cache=self.cache
+            )
+            mx.eval(logits)
+        except BaseException:
+            self.cache.abort_step()
+            raise
+        self.cache.finish_step()
+        return logits
+
+    def _seq_ids(self, seq_ids, count: int) -> np.ndarray:
+        if not self.batched:
+            return np.zeros(count, np.int64)
+        if seq_ids is None:
+            raise SessionError(
+                f"a '{self.kind}' session needs seq_ids: create sequences with session.cache.seq_new()"
+            )
+        if isinstance(seq_ids, (int, np.integer)):
+            return np.full(count, int(seq_ids), np.int64)
+        ids = _int_array("seq_ids", seq_ids)
+        if len(ids) != count:
+            raise SessionError(f"seq_ids has {len(ids)} entries for {count} tokens")
+        return ids
+
+    def _positions(self, positions, ids: np.ndarray) -> np.ndarray:
+        if positions is not None:
+            pos = _int_array("positions", positions)
+            if len(pos) != len(ids):
+                raise SessionError(f"positions has {len(pos)} entries for {len(ids)} tokens")
+            return pos
+        pos = np.empty(len(ids), np.int64)
+        running: dict[int, int] = {}
+        for i, s in enumerate(ids.tolist()):
+            if s not in running:
+                running[s] = self.cache.pos() if not self.batched else self.cache.pos(s)
+            pos[i] = running[s]
+            running[s] += 1
+        return pos
+
+    @staticmethod
+    def _rows(rows, ids: np.ndarray) -> np.ndarray:
+        if rows is not None:
+            rows_a = _int_array("rows", rows)
+            if len(rows_a) == 0 or rows_a.min() < 0 or rows_a.max() >= len(ids):
+                raise SessionError(f"rows must be 1..{len(ids)} token indices in [0, {len(ids)})")
+            return rows_a
+        last: dict[int, int] = {}
+        for i, s in enumerate(ids.tolist()):
+            last[s] = i
+        return np.fromiter(last.values(), np.int64, len(last))
