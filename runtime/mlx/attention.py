@@ -1,0 +1,64 @@
+"""Attention over a window the cache has already read and masked.
+
+Compute is fp32 whatever the storage or model dtype: on CPU, MLX's bf16/fp16 matmuls
+are far slower than fp32, and the oracle computes in fp32 too. GQA is native (K/V are
+never tiled), and V's head dim may differ from K's.
+"""
+from __future__ import annotations
+
+import mlx_pte.runtime.mlx.blas  # noqa: F401  (before mlx.core: fast BLAS)
+import mlx.core as mx
+
+from .masks import Mask, lower_right_mask
+
+
+def _fp32(a: mx.array) -> mx.array:
+    return a if a.dtype == mx.float32 else a.astype(mx.float32)
+
+
+def attend(
+    q: mx.array, k: mx.array, v: mx.array, scale: float, softcap: float, mask: Mask
+) -> mx.array:
+    """softmax(mask(cap(q k^T * scale))) v.
+
+    Args:
+        q: [B, Hq, T, D].
+        k: [B, Hkv, S, D], any float dtype (storage).
+        v: [B, Hkv, S, Dv].
+        scale: multiplies q.k.
+        softcap: > 0 replaces scores s by ``softcap * tanh(s / softcap)``.
+        mask: None, ``"causal"`` (lower-right) or bool broadcastable to [B, 1, T, S].
+
+    Returns:
+        [B, Hq, T, Dv] in q's dtype.
+    """
+    out_dtype = q.dtype
+    q, k, v = _fp32(q), _fp32(k), _fp32(v)
+    if softcap > 0:
+        out = _softcapped(q, k, v, scale, softcap, mask)
+    else:
+        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+    return out if out.dtype == out_dtype else out.astype(out_dtype)
+
+
+def _softcapped(
+    q: mx.array, k: mx.array, v: mx.array, scale: float, softcap: float, mask: Mask
+) -> mx.array:
+    """Explicit scores, because the fused kernel cannot cap them before the softmax."""
+    batch, q_heads, tokens, dim = q.shape
+    kv_heads, keys = k.shape[1], k.shape[2]
+    groups = q_heads // kv_heads
+    # q head h reads kv head h // groups: group the query heads under their kv head.
+    grouped = q.reshape(batch, kv_heads, groups * tokens, dim)
+    scores = (grouped * scale) @ k.swapaxes(-1, -2)
+    scores = softcap * mx.tanh(scores / softcap)
+    scores = scores.reshape(batch, kv_heads, groups, tokens, keys)
+    if isinstance(mask, str):  # only CAUSAL exists
+        mask = lower_right_mask(tokens, keys)
+    if mask is not None:
+        # A finite floor keeps a fully masked (padding) query finite instead of NaN.
+        floor = mx.array(mx.finfo(mx.float32).min, mx.float32)
+        scores = mx.where(mx.expand_dims(mask, 2), scores, floor)
+    probs = mx.softmax(scores, axis=-1, precise=True)
+    out = probs.reshape(batch, kv_heads, groups * tokens, keys) @ v
+    return out.reshape(batch, q_heads, tokens, v.shape[-1])

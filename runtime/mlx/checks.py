@@ -1,0 +1,64 @@
+"""Validation of an ``attend`` call against the declared step and the layer's geometry.
+
+It reads only ``.shape`` and ``.dtype`` and runs before anything is written, so a
+rejected call leaves the cache exactly as it was.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from mlx_pte.runtime.cache import AttendError, CacheBase, LayerGeometry
+
+
+def check_attend(cache: CacheBase, layer: object, q: Any, k: Any, v: Any, softcap: float) -> LayerGeometry:
+    """Check one ``attend`` call.
+
+    Args:
+        cache: the cache attended; its declared step gives the token count.
+        layer: the ``cache_id`` the call names.
+        q, k, v: the call's arrays.
+        softcap: the call's softcap (0 disables it).
+
+    Returns:
+        The layer's geometry.
+
+    Raises:
+        StepStateError: no step is declared.
+        AttendError: anything else that does not match.
+    """
+    tokens = len(cache.step_plan.step)
+    geo = cache.layer_geometry(layer)
+    for name, a in (("q", q), ("k", k), ("v", v)):
+        shape = tuple(a.shape)
+        if len(shape) != 4 or shape[0] != 1:
+            raise AttendError(f"{name} must be [1, heads, tokens, dim], got shape {shape}")
+        if shape[2] != tokens:
+            raise AttendError(
+                f"{name} carries {shape[2]} tokens but the declared step has {tokens}; "
+                "declare the step the forward runs"
+            )
+    expected = {
+        "k heads": (k.shape[1], geo.n_kv_heads),
+        "v heads": (v.shape[1], geo.n_kv_heads),
+        "q head dim": (q.shape[3], geo.head_dim),
+        "k head dim": (k.shape[3], geo.head_dim),
+        "v head dim": (v.shape[3], geo.v_head_dim),
+    }
+    for what, (got, want) in expected.items():
+        if got != want:
+            raise AttendError(
+                f"layer {layer}'s {what} is {want} in the cache geometry, got {got}; "
+                "build the cache from the model's geometry"
+            )
+    if q.shape[1] % geo.n_kv_heads:
+        raise AttendError(
+            f"q has {q.shape[1]} heads, not a multiple of layer {layer}'s {geo.n_kv_heads} KV heads"
+        )
+    if not q.dtype == k.dtype == v.dtype:
+        raise AttendError(
+            f"q, k and v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}; "
+            "cast them to the model's dtype"
+        )
+    if not softcap >= 0:
+        raise AttendError(f"softcap must be >= 0 (0 disables it), got {softcap!r}")
+    return geo

@@ -1,0 +1,159 @@
+"""A sequence-layout step attended as one padded batch over a range of pool rows.
+
+Each span of the step is one batch row: its sequence's row of the pool, read in slot
+order (a view: no gather copy), its queries padded to the longest span, and an explicit
+mask computed from each slot's position. Attention does not care in which order keys
+come, so a wrapped ring needs no reordering: a slot's position is recovered from the
+row's newest position, and the mask does the rest. Rows in the range that take no part
+in the step see nothing and their outputs are dropped.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import numpy as np
+
+import mlx_pte.runtime.mlx.blas  # noqa: F401  (before mlx.core: fast BLAS)
+import mlx.core as mx
+
+from mlx_pte.runtime.cache import RingLayout, RunPlan, Span
+from mlx_pte.runtime.cache.plans import Layout
+
+from .attention import attend
+from .masks import Mask, visible
+from .pool import LayerPools
+
+# What one more per-span attention costs, in query-key pairs of padded work: the span
+# loop pays ~10 small graph nodes per span and layer, worth about this much attention
+# over a [H, keys, D] window on CPU. Measured by bench/attend.py's crossover.
+SPAN_OVERHEAD_PAIRS = 4096
+
+
+@dataclass(frozen=True)
+class PaddedBatch:
+    """Where a step's tokens go in a padded batch over pool rows ``[lo, hi)``.
+
+    Batch row b is pool row ``lo + b``; its padded query i is the token of that row's
+    span at offset i (or padding).
+    """
+
+    lo: int
+    hi: int
+    t_max: int
+    read_len: int  # slots read per row
+    rows: mx.array  # int32 [T]: each token's pool row
+    slots: mx.array  # int32 [T]: each token's slot
+    top_slot: int
+    gather: Optional[mx.array]  # int32 [rows * t_max]: token of each padded query (T = padding)
+    scatter: Optional[mx.array]  # int32 [T]: padded query of each token
+    mask: Mask  # bool [rows, 1, t_max, read_len], None when every row sees every slot
+
+
+def plan_padded(spans: Sequence[tuple[Span, RunPlan]], layout: Layout) -> Optional[PaddedBatch]:
+    """The padded batch for one layout's spans, or None when a span loop is cheaper.
+
+    Args:
+        spans: the step's spans with their run plans on this layout, in token order;
+            a span's sequence id is its pool row.
+        layout: the layout the runs were planned on.
+    """
+    n = len(spans)
+    if n < 2 or len({span.seq_id for span, _ in spans}) < n:
+        # One span gains nothing; a sequence spanned twice would need its row twice.
+        return None
+    rows = [span.seq_id for span, _ in spans]
+    lo, hi = min(rows), max(rows) + 1
+    t_max = max(span.count for span, _ in spans)
+    end = max(run.position + run.count for _, run in spans)
+    ring = layout if isinstance(layout, RingLayout) else None
+    read_len = min(end, ring.slots) if ring else end
+    padded = (hi - lo) * t_max * read_len
+    actual = sum(run.count * run.read_len for _, run in spans)
+    if padded > actual + n * SPAN_OVERHEAD_PAIRS:
+        return None
+
+    tokens = sum(span.count for span, _ in spans)
+    token_rows = np.empty(tokens, np.int32)
+    token_pos = np.empty(tokens, np.int32)
+    scatter = np.empty(tokens, np.int32)
+    gather = np.full((hi - lo) * t_max, tokens, np.int32)
+    query_pos = np.full((hi - lo, t_max), -1, np.int32)
+    newest = np.full(hi - lo, -1, np.int32)
+    for span, run in spans:
+        b = span.seq_id - lo
+        at = slice(span.start, span.start + span.count)
+        token_rows[at] = span.seq_id
+        token_pos[at] = np.arange(run.position, run.position + run.count)
+        scatter[at] = b * t_max + np.arange(span.count)
+        gather[scatter[at]] = np.arange(span.start, span.start + span.count)
+        query_pos[b, : span.count] = token_pos[at]
+        newest[b] = run.position + run.count - 1
+    slots = token_pos % ring.slots if ring else token_pos
+    in_order = bool(np.array_equal(scatter, np.arange((hi - lo) * t_max)))
+    full_view = t_max == 1 and hi - lo == n and all(run.read_len == read_len for _, run in spans)
+    return PaddedBatch(
+        lo=lo,
+        hi=hi,
+        t_max=t_max,
+        read_len=read_len,
+        rows=mx.array(token_rows),
+        slots=mx.array(slots),
+        top_slot=int(slots.max()),
+        gather=None if in_order else mx.array(gather),
+        scatter=None if in_order else mx.array(scatter),
+        mask=None if full_view else _slot_mask(query_pos, newest, read_len, ring),
+    )
+
+
+def _slot_mask(
+    query_pos: np.ndarray, newest: np.ndarray, read_len: int, ring: Optional[RingLayout]
+) -> mx.array:
+    """bool [rows, 1, t_max, read_len] from each slot's position, built on device.
+
+    Flat: slot s holds position s. Ring of R slots whose newest position is p: slot s
+    holds the position congruent to s in ``(p - R, p]`` (negative: never written).
+    """
+    slot = mx.arange(read_len, dtype=mx.int32)[None, :]
+    if ring:
+        last = mx.array(newest)[:, None]
+        key_pos = last - (last - slot + ring.slots) % ring.slots
+        window = ring.window
+    else:
+        key_pos = slot
+        window = 0
+    seen = visible(key_pos[:, None, :], mx.array(query_pos)[:, :, None], window)
+    return seen[:, None]
+
+
+def attend_padded(
+    pools: LayerPools,
+    batch: PaddedBatch,
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    scale: float,
+    softcap: float,
+) -> mx.array:
+    """Write every token's K/V into its row and attend all rows in one call.
+
+    Returns:
+        [1, Hq, T, Dv] in q's dtype, token order.
+    """
+    top_row = batch.hi - 1
+    pools.k.scatter(batch.slots, k, batch.top_slot, batch.rows, top_row)
+    pools.v.scatter(batch.slots, v, batch.top_slot, batch.rows, top_row)
+    keys = pools.k.window(batch.lo, batch.hi, batch.read_len)
+    values = pools.v.window(batch.lo, batch.hi, batch.read_len)
+    rows = batch.hi - batch.lo
+    _, q_heads, tokens, dim = q.shape
+    queries = q[0].transpose(1, 0, 2)  # [T, Hq, D], token-major
+    if batch.gather is not None:
+        padding = mx.zeros((1, q_heads, dim), q.dtype)
+        queries = mx.take(mx.concatenate([queries, padding]), batch.gather, axis=0)
+    queries = queries.reshape(rows, batch.t_max, q_heads, dim).transpose(0, 2, 1, 3)
+    out = attend(queries, keys, values, scale, softcap, batch.mask)  # [rows, Hq, t_max, Dv]
+    out = out.transpose(0, 2, 1, 3).reshape(rows * batch.t_max, q_heads, out.shape[-1])
+    if batch.scatter is not None:
+        out = mx.take(out, batch.scatter, axis=0)
+    return out.transpose(1, 0, 2)[None]

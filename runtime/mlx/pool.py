@@ -1,0 +1,236 @@
+"""One layer's K or V storage on MLX: ``[rows, H, slots, D]`` in the storage dtype.
+
+A row is one sequence's private history (``batched-sequence`` gives each live sequence
+the row of its id; ``single`` and ``batched-cell`` use row 0 only). Slots are physical
+(ring modulo already applied by the planner). Keeping every sequence of a layer in one
+array is what lets a batched step attend all rows at once over a view of the pool,
+with no gather copy.
+
+Invariants:
+  * the pool holds nothing until its first write; after that ``0 < rows <= max_rows``
+    and ``0 < slots <= max_slots``;
+  * growth appends zeros (rows double from 1, slots double from ``first_slots``, each
+    clamped to its cap), so a cell keeps its index and bytes;
+  * every write casts to the storage dtype explicitly, so the dtype never drifts;
+  * the array is replaced, never mutated in place: a handle another pool holds (or a
+    read still in flight) stays a valid snapshot, and MLX donates the buffer when it is
+    the only reference, so a write costs the rows written, not the pool.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import mlx_pte.runtime.mlx.blas  # noqa: F401  (before mlx.core: fast BLAS)
+import mlx.core as mx
+
+from mlx_pte.runtime.cache import CacheError, Run
+
+STORAGE_DTYPES: dict[str, mx.Dtype] = {
+    "float32": mx.float32,
+    "float16": mx.float16,
+    "bfloat16": mx.bfloat16,
+}
+
+
+class PoolBoundsError(CacheError, IndexError):
+    """A write or read outside what a pool may hold (a planner bug, not a user error)."""
+
+
+def grown_size(current: int, first: int, needed: int, cap: int) -> int:
+    """The size a pool axis grows to so that index ``needed - 1`` fits.
+
+    Doubles from ``current`` (from ``first`` when nothing is allocated yet), clamped to
+    ``cap``; the caller has checked ``needed <= cap``.
+    """
+    if needed <= current:
+        return current
+    size = max(current or first, 1)
+    while size < needed:
+        size *= 2
+    return min(size, cap)
+
+
+@dataclass
+class Pool:
+    """K or V of one layer for up to ``max_rows`` sequences.
+
+    Args:
+        heads: KV heads of the layer.
+        dim: head dim of the stored tensor (K's or V's).
+        dtype: storage dtype.
+        max_slots: slots a row may hold (capacity for flat, ring size for rings).
+        first_slots: slots of the first allocation (clamped to ``max_slots``).
+        max_rows: rows the pool may hold.
+    """
+
+    heads: int
+    dim: int
+    dtype: mx.Dtype
+    max_slots: int
+    first_slots: int
+    max_rows: int = 1
+
+    def __post_init__(self) -> None:
+        self.first_slots = min(self.first_slots, self.max_slots)
+        self.data: Optional[mx.array] = None
+
+    # -- shape --------------------------------------------------------------------------
+    @property
+    def rows(self) -> int:
+        return 0 if self.data is None else self.data.shape[0]
+
+    @property
+    def slots(self) -> int:
+        return 0 if self.data is None else self.data.shape[2]
+
+    def reserve(self, rows: int, slots: int) -> None:
+        """Grow to hold rows ``[0, rows)`` and slots ``[0, slots)``.
+
+        Raises:
+            PoolBoundsError: past ``max_rows`` or ``max_slots``.
+        """
+        if rows > self.max_rows or slots > self.max_slots:
+            raise PoolBoundsError(
+                f"pool holds at most {self.max_rows} rows of {self.max_slots} slots, "
+                f"asked for {rows} rows and {slots} slots; the cache planner let an "
+                "out-of-bounds step through, please report it"
+            )
+        new_rows = grown_size(self.rows, 1, rows, self.max_rows)
+        new_slots = grown_size(self.slots, self.first_slots, slots, self.max_slots)
+        if self.data is None:
+            self.data = mx.zeros((new_rows, self.heads, new_slots, self.dim), self.dtype)
+            return
+        if new_slots > self.slots:
+            pad = mx.zeros((self.rows, self.heads, new_slots - self.slots, self.dim), self.dtype)
+            self.data = mx.concatenate([self.data, pad], axis=2)
+        if new_rows > self.rows:
+            pad = mx.zeros((new_rows - self.rows, self.heads, self.slots, self.dim), self.dtype)
+            self.data = mx.concatenate([self.data, pad], axis=0)
+
+    def _check_update(self, update: mx.array, tokens: int) -> None:
+        shape = tuple(update.shape)
+        if len(shape) != 4 or shape[0] != 1 or shape[1] != self.heads or shape[3] != self.dim:
+            raise PoolBoundsError(
+                f"pool update must be [1, {self.heads}, tokens, {self.dim}], got {shape}"
+            )
+        if shape[2] != tokens:
+            raise PoolBoundsError(f"pool update carries {shape[2]} tokens, {tokens} expected")
+
+    def _stored(self, update: mx.array) -> mx.array:
+        return update if update.dtype == self.dtype else update.astype(self.dtype)
+
+    # -- contiguous runs --------------------------------------------------------------------
+    def write(self, row: int, start: int, update: mx.array) -> None:
+        """Write ``update`` ([1, H, n, D]) at slots ``[start, start + n)`` of ``row``."""
+        length = update.shape[2]
+        self._check_update(update, length)
+        if start < 0 or row < 0:
+            raise PoolBoundsError(f"pool write at row {row}, slot {start} is out of bounds")
+        self.reserve(row + 1, start + length)
+        self.data = mx.slice_update(
+            self.data, self._stored(update), mx.array([row, start]), axes=(0, 2)
+        )
+
+    def write_runs(self, row: int, runs: Sequence[Run], update: mx.array) -> None:
+        """Write ``update``'s tokens, in order, into the physical ``runs`` of ``row``."""
+        if len(runs) == 1:
+            self.write(row, runs[0].start, update)
+            return
+        at = 0
+        for run in runs:
+            self.write(row, run.start, update[:, :, at : at + run.length])
+            at += run.length
+
+    def read(self, row: int, start: int, length: int) -> mx.array:
+        """Slots ``[start, start + length)`` of ``row``: [1, H, length, D], storage dtype."""
+        if row < 0 or start < 0 or row >= self.rows or start + length > self.slots:
+            raise PoolBoundsError(
+                f"pool read of row {row}, slots [{start}, {start + length}) is outside "
+                f"the {self.rows} rows x {self.slots} slots written so far"
+            )
+        return self.data[row : row + 1, :, start : start + length]
+
+    def read_runs(self, row: int, runs: Sequence[Run]) -> mx.array:
+        """The slots of ``runs`` concatenated in order (oldest first)."""
+        parts = [self.read(row, run.start, run.length) for run in runs]
+        return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2)
+
+    # -- scattered tokens ---------------------------------------------------------------------
+    def scatter(
+        self,
+        slots: mx.array,
+        update: mx.array,
+        top_slot: int,
+        rows: Optional[mx.array] = None,
+        top_row: int = 0,
+    ) -> None:
+        """Write token i of ``update`` ([1, H, T, D]) at ``(rows[i], slots[i])``.
+
+        Args:
+            slots: int32 [T], distinct per row.
+            update: the tokens' K or V.
+            top_slot: the largest entry of ``slots`` (host int, so growth needs no sync).
+            rows: int32 [T]; None writes row 0.
+            top_row: the largest entry of ``rows``.
+        """
+        tokens = slots.shape[0]
+        self._check_update(update, tokens)
+        self.reserve(top_row + 1, top_slot + 1)
+        rows_, heads, slots_, dim = self.data.shape
+        # Flatten to [rows*H*slots, D] so one scatter along axis 0 places every
+        # (row, head, slot); a reshape of the contiguous pool is free.
+        base = mx.arange(heads, dtype=mx.int32)[None, :] * slots_ + slots[:, None]
+        if rows is not None:
+            base = base + (rows * (heads * slots_))[:, None]
+        index = base.reshape(tokens * heads, 1)
+        values = self._stored(update)[0].transpose(1, 0, 2).reshape(tokens * heads, dim)
+        flat = self.data.reshape(rows_ * heads * slots_, dim)
+        self.data = mx.put_along_axis(flat, index, values, axis=0).reshape(rows_, heads, slots_, dim)
+
+    def write_cells(self, cells: mx.array, update: mx.array, top_cell: int) -> None:
+        """Scatter token i of ``update`` to cell ``cells[i]`` of row 0 (the cell layout)."""
+        self.scatter(cells, update, top_cell)
+
+    # -- whole rows ---------------------------------------------------------------------------
+    def window(self, lo: int, hi: int, length: int) -> mx.array:
+        """Rows ``[lo, hi)``, slots ``[0, length)``: a view, [hi - lo, H, length, D]."""
+        if lo < 0 or hi > self.rows or length > self.slots:
+            raise PoolBoundsError(
+                f"pool window of rows [{lo}, {hi}), {length} slots is outside the "
+                f"{self.rows} rows x {self.slots} slots written so far"
+            )
+        return self.data[lo:hi, :, :length]
+
+    def fork_row(self, src: int, dst: int, length: int) -> None:
+        """Copy slots ``[0, length)`` of row ``src`` into row ``dst`` (a sequence fork)."""
+        if self.data is None or src >= self.rows:
+            return  # the source never wrote this layer: nothing to copy
+        length = min(length, self.slots)
+        self.reserve(dst + 1, length)
+        prefix = self.data[src : src + 1, :, :length]
+        self.data = mx.slice_update(self.data, prefix, mx.array([dst, 0]), axes=(0, 2))
+
+
+@dataclass
+class LayerPools:
+    """The K and V pools of one layer."""
+
+    k: Pool
+    v: Pool
+
+
+def layer_pools(
+    heads: int,
+    head_dim: int,
+    v_head_dim: int,
+    dtype: mx.Dtype,
+    max_slots: int,
+    first_slots: int,
+    max_rows: int = 1,
+) -> LayerPools:
+    """Empty K and V pools of one layer with the same row and slot limits."""
+    return LayerPools(
+        Pool(heads, head_dim, dtype, max_slots, first_slots, max_rows),
+        Pool(heads, v_head_dim, dtype, max_slots, first_slots, max_rows),
+    )

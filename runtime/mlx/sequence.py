@@ -1,0 +1,144 @@
+"""``single`` and ``batched-sequence`` on MLX: a private history per sequence.
+
+Both keep, per layer, one K and one V pool whose row r is sequence r's history (the
+single kind uses row 0). A step is answered per layer either span by span (each span
+writes its run plan's runs and attends its read runs, in logical order, with the mask
+the run plan asks for) or, when several sequences step together and it is cheaper, as
+one padded batch over their rows (see ``padded``). Spans run in token order, so a
+sequence spanned twice in one step sees its first span's tokens from its second.
+
+Forks copy rows inside the pools: a flat layer's prefix, a ring whole (a ring keeps
+position q at slot ``q mod slots``, so its fork keeps every slot).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import mlx_pte.runtime.mlx.blas  # noqa: F401  (before mlx.core: fast BLAS)
+import mlx.core as mx
+
+from mlx_pte.runtime.cache import (
+    BatchedSequenceCache,
+    CacheBase,
+    CacheConfig,
+    CacheGeometry,
+    RingLayout,
+    SingleCache,
+)
+from mlx_pte.runtime.cache.step import MAX_INDEX
+
+from .attention import attend
+from .checks import check_attend
+from .masks import StepMemo, run_mask
+from .padded import PaddedBatch, attend_padded, plan_padded
+from .pool import STORAGE_DTYPES, LayerPools, layer_pools
+
+
+class SequencePools:
+    """The byte layer both sequence kinds share; mixed into a neutral sequence kind."""
+
+    def _init_pools(self: CacheBase, max_rows: int) -> None:
+        self._max_rows = max_rows
+        self._memo = StepMemo()
+        self._pools = self._fresh_pools()
+
+    def _fresh_pools(self: CacheBase) -> list[LayerPools]:
+        dtype = STORAGE_DTYPES[self.config.kv_dtype]
+        pools = []
+        for geo, index in zip(self.geometry.layers, self.policies.layer_layout):
+            layout = self.policies.layouts[index]
+            if isinstance(layout, RingLayout):
+                # A ring is bounded already: allocate it whole on the first write.
+                max_slots = first = layout.slots
+            else:
+                max_slots, first = self.config.capacity, self.config.initial_capacity
+            pools.append(
+                layer_pools(
+                    geo.n_kv_heads, geo.head_dim, geo.v_head_dim, dtype,
+                    max_slots, first, self._max_rows,
+                )
+            )
+        return pools
+
+    def attend(
+        self,
+        layer: int,
+        q: mx.array,
+        k: mx.array,
+        v: mx.array,
+        scale: float,
+        softcap: float = 0.0,
+    ) -> mx.array:
+        """Write each span's K/V into its sequence's ``layer`` and attend its queries.
+
+        Args:
+            layer: the cache layer (the op's ``cache_id``).
+            q: [1, Hq, T, D] for the declared step's T tokens, RoPE applied.
+            k: [1, Hkv, T, D].
+            v: [1, Hkv, T, Dv].
+            scale: softmax scale.
+            softcap: > 0 caps scores at ``softcap * tanh(s / softcap)``.
+
+        Returns:
+            [1, Hq, T, Dv] in q's dtype, token order as declared.
+        """
+        check_attend(self, layer, q, k, v, softcap)
+        plan = self.step_plan
+        index = self.policies.layer_layout[layer]
+        pools = self._pools[layer]
+        batch: Optional[PaddedBatch] = self._memo.get(
+            plan,
+            ("batch", index),
+            lambda: plan_padded(plan.runs_for_layer(layer), self.policies.layouts[index]),
+        )
+        if batch is not None:
+            return attend_padded(pools, batch, q, k, v, scale, softcap)
+        outs = []
+        for i, (span, run) in enumerate(plan.runs_for_layer(layer)):
+            tokens = slice(span.start, span.start + span.count)
+            row = span.seq_id
+            pools.k.write_runs(row, run.write, k[:, :, tokens])
+            pools.v.write_runs(row, run.write, v[:, :, tokens])
+            keys = pools.k.read_runs(row, run.read)
+            values = pools.v.read_runs(row, run.read)
+            mask = self._memo.get(plan, ("span", index, i), lambda: run_mask(run))
+            outs.append(attend(q[:, :, tokens], keys, values, scale, softcap, mask))
+        return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)
+
+    def _clear_storage(self) -> None:
+        self._memo.clear()
+        self._pools = self._fresh_pools()
+
+
+class MLXSingleCache(SequencePools, SingleCache):
+    """One sequence; flat layers grow to the capacity, rings hold their slots."""
+
+    def __init__(self, geometry: CacheGeometry, config: CacheConfig) -> None:
+        super().__init__(geometry, config)
+        self._init_pools(max_rows=1)
+
+
+class MLXBatchedSequenceCache(SequencePools, BatchedSequenceCache):
+    """Many sequences, sequence id = pool row; all share one logical capacity.
+
+    A flat layer's rows all span the longest history, so its memory is rows x longest
+    (not the sum of lengths): the price of attending every row over a view.
+    """
+
+    def __init__(self, geometry: CacheGeometry, config: CacheConfig) -> None:
+        super().__init__(geometry, config)
+        self._init_pools(max_rows=config.max_seqs or MAX_INDEX)
+
+    def _release_sequence(self, seq_id: int) -> None:
+        # A row is reused by the next sequence of that id (stale slots are never read:
+        # runs and masks stop at the sequence's own positions); with no sequence left,
+        # hand all memory back.
+        if not self.live_seqs():
+            self._clear_storage()
+
+    def _fork_sequence(self, src: int, dst: int, upto: int) -> None:
+        for pools, index in zip(self._pools, self.policies.layer_layout):
+            layout = self.policies.layouts[index]
+            length = layout.slots if isinstance(layout, RingLayout) else upto
+            pools.k.fork_row(src, dst, length)
+            pools.v.fork_row(src, dst, length)

@@ -1,0 +1,96 @@
+"""Helpers that drive byte-layer caches and the history oracle through the same steps.
+
+A backend is a pair of converters (numpy -> its tensors, its tensors -> numpy), so one
+driver serves the reference layer, the MLX layer and any kind of either.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import pytest
+import torch
+
+from mlx_pte.runtime.cache import CacheGeometry, LayerGeometry, LayerPolicy, Step
+
+from .oracle import HistoryOracle
+
+
+@pytest.fixture
+def one_torch_thread():
+    """Tiny tensors on a shared 2-core machine: torch's thread pool only adds contention."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@dataclass(frozen=True)
+class Backend:
+    name: str
+    to_tensor: Callable[[np.ndarray], Any]
+    to_numpy: Callable[[Any], np.ndarray]
+
+
+TORCH = Backend("reference", torch.from_numpy, lambda t: t.float().numpy())
+
+
+@dataclass(frozen=True)
+class StepData:
+    """One step's inputs per layer: q [1,Hq,T,D], k [1,Hkv,T,D], v [1,Hkv,T,Dv] (float32)."""
+
+    q: tuple[np.ndarray, ...]
+    k: tuple[np.ndarray, ...]
+    v: tuple[np.ndarray, ...]
+
+
+def geometry(windows: Sequence[int], n_kv: int, head_dim: int, v_head_dim: int | None = None) -> CacheGeometry:
+    return CacheGeometry(
+        tuple(LayerGeometry(LayerPolicy.from_window(w), n_kv, head_dim, v_head_dim) for w in windows)
+    )
+
+
+def random_step(rng: np.random.Generator, geo: CacheGeometry, n_q: int, tokens: int) -> StepData:
+    qs, ks, vs = [], [], []
+    for layer in geo.layers:
+        qs.append(rng.standard_normal((1, n_q, tokens, layer.head_dim), np.float32))
+        ks.append(rng.standard_normal((1, layer.n_kv_heads, tokens, layer.head_dim), np.float32))
+        vs.append(rng.standard_normal((1, layer.n_kv_heads, tokens, layer.v_head_dim), np.float32))
+    return StepData(tuple(qs), tuple(ks), tuple(vs))
+
+
+def attend_all(cache: Any, backend: Backend, data: StepData, scale: float, softcap: float) -> list[np.ndarray]:
+    """Every layer's output of the declared step, as numpy."""
+    to = backend.to_tensor
+    return [
+        backend.to_numpy(cache.attend(layer, to(q), to(k), to(v), scale, softcap))
+        for layer, (q, k, v) in enumerate(zip(data.q, data.k, data.v))
+    ]
+
+
+def expected_all(oracle: HistoryOracle, step: Step, data: StepData, scale: float, softcap: float) -> list[np.ndarray]:
+    return [
+        oracle.attend(layer, step.seq_ids, step.positions, q, k, v, scale, softcap)
+        for layer, (q, k, v) in enumerate(zip(data.q, data.k, data.v))
+    ]
+
+
+def run_and_check(
+    cache: Any,
+    oracle: HistoryOracle,
+    step: Step,
+    data: StepData,
+    scale: float = 0.5,
+    softcap: float = 0.0,
+    atol: float = 1e-5,
+    backend: Backend = TORCH,
+) -> list[np.ndarray]:
+    """Declare, attend every layer, check against the oracle, finish; commit the oracle."""
+    cache.declare_step(step)
+    got = attend_all(cache, backend, data, scale, softcap)
+    cache.finish_step()
+    for layer, (out, want) in enumerate(zip(got, expected_all(oracle, step, data, scale, softcap))):
+        np.testing.assert_allclose(out, want, atol=atol, rtol=0, err_msg=f"layer {layer}")
+    oracle.commit(step.seq_ids, step.positions, data.k, data.v)
+    return got
