@@ -244,7 +244,7 @@ def run_command(parser: argparse.ArgumentParser) -> Handler:
             from mlx_pte.interpreter.prompts_file import run_prompts_main
 
             return run_prompts_main(args)
-        from mlx_pte.interpreter.generate import generate
+        from mlx_pte.interpreter.generation import generate
         from mlx_pte.interpreter.program import load
         from mlx_pte.interpreter.session import Session
         from mlx_pte.interpreter.text import TextCodec
@@ -301,7 +301,7 @@ def bench_command(parser: argparse.ArgumentParser) -> Handler:
 
         import numpy as np
 
-        from mlx_pte.interpreter.generate import generate
+        from mlx_pte.interpreter.generation import generate
         from mlx_pte.interpreter.program import load
         from mlx_pte.interpreter.session import Session
         import mlx.core as mx

@@ -21,7 +21,7 @@ from mlx_pte.interpreter.engine import (
     Status,
     StopText,
 )
-from mlx_pte.interpreter.generate import generate
+from mlx_pte.interpreter.generation import generate
 from mlx_pte.interpreter.program import load
 from mlx_pte.interpreter.sampling import SamplingParams
 from mlx_pte.interpreter.text import TextCodec
