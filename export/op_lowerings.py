@@ -112,6 +112,10 @@ _register(aten.maximum.default, _binary("maximum"))
 _register(aten.minimum.default, _binary("minimum"))
 for _op in ("lt", "le", "gt", "ge", "eq", "ne"):
     _register([getattr(aten, _op).Tensor, getattr(aten, _op).Scalar], _binary(_op, compare=True))
+# The result is bool, so operands are cast to bool (nonzero is true, as torch reads them).
+_register(aten.logical_and.default, _binary("logical_and"))
+_register(aten.logical_or.default, _binary("logical_or"))
+_register(aten.logical_not.default, _unary("logical_not"))
 
 
 def _where(b: Builder, node: Node) -> None:
@@ -151,6 +155,20 @@ _register(
      torch.ops.dim_order_ops._to_dim_order_copy.default, torch.ops.dim_order_ops._clone_dim_order.default],
     _copy,
 )  # fmt: skip
+
+
+def _copy_into(b: Builder, node: Node) -> None:
+    """``copy(self, src)`` (a functionalized ``self.copy_(src)``): src broadcast to self's
+    shape, in self's dtype; self's values are not read."""
+    args = node_args(node)
+    src = b.operand(args["src"], _out_dtype(node))
+    if b.slot_type(src).shape == b.tensor_type(node.meta["val"]).shape:
+        b.slots[node] = src
+    else:
+        b.emit_node(node, "expand", (src,), {"shape": b.shape_of(args["self"])})
+
+
+_register(aten.copy.default, _copy_into)
 
 
 # Reductions and normalisations --------------------------------------------------------
@@ -314,19 +332,31 @@ def _permute(b: Builder, node: Node) -> None:
 _register([aten.permute_copy.default, aten.transpose_copy.int, aten.t_copy.default], _permute)
 
 
-def _slice(b: Builder, node: Node) -> None:
-    args = node_args(node)
-    x = args["self"]
+def _slice_attrs(b: Builder, args: dict[str, Any]) -> dict[str, Any]:
+    """The ``slice`` / ``slice_update`` attributes of a slice over ``args["self"]``."""
     start, end = args["start"], args["end"]
-    b.emit_node(node, "slice", (b.slots[x],), {
-        "dim": norm_dim(args["dim"], rank_of(x)),
+    return {
+        "dim": norm_dim(args["dim"], rank_of(args["self"])),
         "start": 0 if start is None else b.size(start),
         "end": _SLICE_END if end is None else b.size(end),
         "step": int(args["step"]),
-    })  # fmt: skip
+    }
+
+
+def _slice(b: Builder, node: Node) -> None:
+    args = node_args(node)
+    b.emit_node(node, "slice", (b.slots[args["self"]],), _slice_attrs(b, args))
+
+
+def _slice_scatter(b: Builder, node: Node) -> None:
+    args = node_args(node)
+    dtype = _out_dtype(node)
+    b.emit_node(node, "slice_update", (b.operand(args["self"], dtype), b.operand(args["src"], dtype)),
+                _slice_attrs(b, args))  # fmt: skip
 
 
 _register(aten.slice_copy.Tensor, _slice)
+_register(aten.slice_scatter.default, _slice_scatter)
 
 
 def _select(b: Builder, node: Node) -> None:
@@ -362,6 +392,13 @@ def _expand(b: Builder, node: Node) -> None:
 
 
 _register(aten.expand_copy.default, _expand)
+
+
+def _repeat(b: Builder, node: Node) -> None:
+    b.emit_node(node, "tile", (b.slots[node.args[0]],), {"reps": b.sizes(node.args[1])})
+
+
+_register(aten.repeat.default, _repeat)
 
 
 def _cat(b: Builder, node: Node) -> None:

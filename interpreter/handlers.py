@@ -82,6 +82,7 @@ _UNARY = {
     "silu": lambda x: x * mx.sigmoid(x),
     "erf": mx.erf,
     "reciprocal": mx.reciprocal,
+    "logical_not": mx.logical_not,
 }
 _BINARY = {
     "add": mx.add,
@@ -97,6 +98,8 @@ _BINARY = {
     "ge": mx.greater_equal,
     "eq": mx.equal,
     "ne": mx.not_equal,
+    "logical_and": mx.logical_and,
+    "logical_or": mx.logical_or,
 }
 for _name, _fn in {**_UNARY, **_BINARY}.items():
     HANDLERS[_name] = _on_operands(_fn)
@@ -218,13 +221,28 @@ def _along(dim: int, index: Any) -> tuple:
     return (slice(None),) * dim + (index,)
 
 
-@handles("slice")
-def _slice(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx.array:
-    (x,) = args
+def _slice_index(x: mx.array, attrs: dict[str, Any]) -> tuple:
+    """The index of ``x[start:end:step]`` along ``dim`` (a slice's attributes)."""
     dim = attrs["dim"]
     # Resolve Python slice semantics on the host: torch's "to the end" is 2**63-1.
     start, end, step = slice(attrs["start"], attrs["end"], attrs["step"]).indices(x.shape[dim])
-    return x[_along(dim, slice(start, end, step))]
+    return _along(dim, slice(start, end, step))
+
+
+@handles("slice")
+def _slice(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx.array:
+    (x,) = args
+    return x[_slice_index(x, attrs)]
+
+
+@handles("slice_update")
+def _slice_update(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx.array:
+    x, update = args
+    # Item assignment rebinds the array it is applied to: update a (lazy) copy, since x's
+    # slot may have other readers.
+    out = mx.array(x)
+    out[_slice_index(x, attrs)] = update
+    return out
 
 
 @handles("select")
@@ -255,6 +273,11 @@ def _expand(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx.array:
         if shape[i] == -1:
             shape[i] = x.shape[i - lead]
     return mx.broadcast_to(x, shape)
+
+
+@handles("tile")
+def _tile(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx.array:
+    return mx.tile(args[0], list(attrs["reps"]))
 
 
 @handles("cat")

@@ -166,6 +166,7 @@ ELEMENTWISE_UNARY = (
 )  # fmt: skip
 ELEMENTWISE_BINARY = ("add", "sub", "mul", "div", "pow", "maximum", "minimum")
 COMPARISONS = ("lt", "le", "gt", "ge", "eq", "ne")
+LOGICAL_BINARY = ("logical_and", "logical_or")
 REDUCTIONS = ("sum", "mean", "amax", "amin")
 
 for _name in ELEMENTWISE_UNARY:
@@ -176,6 +177,10 @@ for _name in ELEMENTWISE_BINARY:
     define(OpSpec(_name, ("a", "b"), output_rule="broadcast shape of a and b, dtype of a"))
 for _name in COMPARISONS:
     define(OpSpec(_name, ("a", "b"), output_rule="broadcast shape of a and b, bool"))
+# Operands already bool (the lowering casts: nonzero is true, as in torch).
+for _name in LOGICAL_BINARY:
+    define(OpSpec(_name, ("a", "b"), output_rule="broadcast shape of a and b, bool"))
+define(OpSpec("logical_not", ("x",), output_rule="like x (bool)"))
 define(OpSpec("where", ("cond", "a", "b"), output_rule="broadcast shape of the three, dtype of a"))
 define(OpSpec("cast", ("x",), _attrs(("dtype", "dtype")), output_rule="x's shape, the given dtype"))
 
@@ -256,6 +261,15 @@ define(
 )
 define(
     OpSpec(
+        "slice_update",
+        ("x", "update"),
+        _attrs(("dim", "int"), ("start", "int_or_ref"), ("end", "int_or_ref"), ("step", "int")),
+        output_rule="x with x[start:end:step] along dim (as in slice) replaced by update, which has that "
+        "slice's shape and x's dtype",
+    )
+)
+define(
+    OpSpec(
         "select",
         ("x",),
         _attrs(("dim", "int"), ("index", "int_or_ref")),
@@ -270,6 +284,14 @@ define(
         ("x",),
         _attrs(("shape", "ints_or_refs")),
         output_rule="x broadcast to shape (-1 keeps x's size; new axes lead)",
+    )
+)
+define(
+    OpSpec(
+        "tile",
+        ("x",),
+        _attrs(("reps", "ints_or_refs")),
+        output_rule="x repeated reps[i] times along axis i; leading size-1 axes are added when reps is longer",
     )
 )
 define(OpSpec("cat", ("tensors*",), _attrs(("dim", "int")), output_rule="the operands joined along dim"))

@@ -144,6 +144,26 @@ class SymbolicSizes(nn.Module):
         )  # fmt: skip
 
 
+class Update(nn.Module):
+    """Functionalized in-place updates (slice_scatter, copy), repeat and logical ops."""
+
+    def forward(self, x, y, n):
+        t = x.shape[0]
+        a = x.clone()
+        a[1:] += y[:-1]  # slice_scatter + copy, the pattern of gemma3n's AltUp correction
+        b = x.clone()
+        b[:, 2:5] = n[:, :1]  # copy broadcasting an int64 source into float32
+        c = x.clone()
+        c[t - 3 :] = 0.5  # a dynamic start; copy from a 0-d constant
+        c[:, 6:] = -1.5  # copy broadcasting into a dynamic shape
+        return (
+            a, b, c, torch.slice_scatter(x, y[: t - 1], 0, 1), torch.slice_scatter(x, y[:, ::2], 1, 0, None, 2),
+            torch.slice_scatter(x, y[:2], 0, -2), x.repeat(2, 1, 3), x[:1].repeat(t, 1),
+            torch.logical_and(x > 0, y < 0), torch.logical_or(x.relu(), n), torch.logical_not(x.relu()),
+            torch.logical_not(n > 1),
+        )  # fmt: skip
+
+
 class HalfBlock(nn.Module):
     """The ops an LLM block runs, for the half-precision dtypes."""
 
@@ -209,6 +229,13 @@ CASES: dict[str, Case] = {
     ),
     # torch.export needs every derived size >= 2 here, hence T >= 5.
     "symbolic_sizes": Case(SymbolicSizes, lambda t: (_rand(t, 4),), (6, 5, 11), _dynamic(0, low=5)),
+    # Derived sizes (t - 1, t - 3) must be >= 2 for torch.export too.
+    "update": Case(
+        Update,
+        lambda t: (_rand(t, 8), _rand(t, 8), torch.randint(0, 3, (t, 8), generator=_GEN)),
+        (6, 5, 11),
+        _dynamic(0, 0, 0, low=5),
+    ),
 }
 
 HALF = {torch.float16: 2e-3, torch.bfloat16: 2e-2}
