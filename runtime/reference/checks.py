@@ -11,7 +11,9 @@ from typing import Any
 from mlx_pte.runtime.cache import AttendError, CacheBase, LayerGeometry
 
 
-def check_attend(cache: CacheBase, layer: object, q: Any, k: Any, v: Any, softcap: float) -> LayerGeometry:
+def check_attend(
+    cache: CacheBase, layer: object, q: Any, k: Any, v: Any, softcap: float
+) -> LayerGeometry:
     """Check one ``attend`` call; StepStateError with no step declared, else AttendError.
 
     Args:

@@ -21,7 +21,9 @@ class PoolSize:
     first_rows: int  # rows of the first allocation; doubling follows
 
 
-def layer_pools(geometry: CacheGeometry, config: CacheConfig, sizes: tuple[PoolSize, ...]) -> list[LayerPools]:
+def layer_pools(
+    geometry: CacheGeometry, config: CacheConfig, sizes: tuple[PoolSize, ...]
+) -> list[LayerPools]:
     """Fresh, empty pools in the config's storage dtype, layer ``l`` sized ``sizes[l]``."""
     dtype = STORAGE_DTYPES[config.kv_dtype]
     return [

@@ -21,6 +21,7 @@ from mlx_pte.runtime.cache import (
     CacheError,
     CacheGeometry,
     CacheRefused,
+    KINDS,
     LayerGeometry,
     LayerPolicy,
     Step,
@@ -66,7 +67,9 @@ class TinyAttentionModel(nn.Module):
         self.blocks = nn.ModuleList(Block() for _ in WINDOWS)
         self.lm_head = nn.Linear(HIDDEN, VOCAB)
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, tokens: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor
+    ) -> torch.Tensor:
         return self.run(tokens, positions, rows, self.op_attention)
 
     @staticmethod
@@ -118,7 +121,8 @@ def exported(model) -> torch.export.ExportedProgram:
     """Exported with no cache bound: tracing sees only the fake kernel."""
     T, R = torch.export.Dim("T", min=1, max=32), torch.export.Dim("R", min=1, max=32)
     example = (torch.zeros(1, 4, dtype=torch.long), torch.arange(4), torch.tensor([2, 3]))
-    return torch.export.export(model, example, dynamic_shapes=({1: T}, {0: T}, {0: R}), strict=False)
+    dynamic = ({1: T}, {0: T}, {0: R})
+    return torch.export.export(model, example, dynamic_shapes=dynamic, strict=False)
 
 
 @pytest.fixture(scope="module")
@@ -127,21 +131,22 @@ def program(exported) -> torch.nn.Module:
 
 
 def geometry() -> CacheGeometry:
-    return CacheGeometry(
-        tuple(LayerGeometry(LayerPolicy.from_window(w), KV_HEADS, HEAD_DIM, V_HEAD_DIM) for w in WINDOWS)
-    )
+    policies = [LayerPolicy.from_window(w) for w in WINDOWS]
+    return CacheGeometry(tuple(LayerGeometry(p, KV_HEADS, HEAD_DIM, V_HEAD_DIM) for p in policies))
 
 
 def make_cache(kind: str, capacity: int = 32, **config):
     config.setdefault("max_write", 8)
-    return CACHE_FACTORY.build("reference", kind, geometry(), CacheConfig(capacity=capacity, **config))
+    config = CacheConfig(capacity=capacity, **config)
+    return CACHE_FACTORY.build("reference", kind, geometry(), config)
 
 
 def forward(program, cache, step: Step, tokens: list[int]) -> torch.Tensor:
     """Declare ``step``, run the program over every row, finish the step."""
     cache.declare_step(step)
     with bind_cache(cache), torch.no_grad():
-        logits = program(torch.tensor([tokens]), torch.tensor(step.positions), torch.arange(len(tokens)))
+        inputs = torch.tensor([tokens]), torch.tensor(step.positions), torch.arange(len(tokens))
+        logits = program(*inputs)
     cache.finish_step()
     return logits
 
@@ -189,7 +194,6 @@ class Transcript:
 
 
 TOKENS = [5, 17, 3, 29, 11, 8, 36, 2, 21, 14]
-KINDS = ("single", "batched-cell", "batched-sequence")
 
 
 # -- the graph ------------------------------------------------------------------------
@@ -207,7 +211,8 @@ def test_graph_is_functional_with_one_op_per_layer(exported) -> None:
     calls = op_calls(exported)
     assert [n.args[4] for n in calls] == [0, 1, 2]
     assert [n.args[5] for n in calls] == [HEAD_DIM**-0.5] * 3
-    assert [n.args[6] if len(n.args) > 6 else n.kwargs.get("softcap", 0.0) for n in calls] == list(SOFTCAPS)
+    softcaps = [n.args[6] if len(n.args) > 6 else n.kwargs.get("softcap", 0.0) for n in calls]
+    assert softcaps == list(SOFTCAPS)
 
 
 def test_the_op_output_takes_the_value_head_dim(exported) -> None:
@@ -230,6 +235,15 @@ def test_the_forward_must_carry_the_declared_positions(model, program) -> None:
     cache.abort_step()
     transcript = Transcript(model, program, cache)
     transcript.run(transcript.new(), TOKENS[:3])
+
+
+def test_rows_select_which_tokens_reach_the_head(model, program) -> None:
+    cache = make_cache("single")
+    cache.declare_step(Step.run(0, 4))
+    with bind_cache(cache), torch.no_grad():
+        logits = program(torch.tensor([TOKENS[:4]]), torch.arange(4), torch.tensor([3, 0]))
+    cache.finish_step()
+    torch.testing.assert_close(logits, baseline(model, TOKENS[:4])[[3, 0]], atol=ATOL, rtol=0)
 
 
 def test_a_forward_without_a_declared_step_is_refused(model, program) -> None:

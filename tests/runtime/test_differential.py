@@ -14,7 +14,6 @@ from typing import Any, Optional
 
 import numpy as np
 import pytest
-import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -33,7 +32,17 @@ from mlx_pte.runtime.cache import (
 )
 
 from .reference.oracle import HistoryOracle
-from .reference.scenario import TORCH, Backend, StepData, attend_all, geometry, one_torch_thread, random_step  # noqa: F401
+from .reference.scenario import (  # noqa: F401  (one_torch_thread: a fixture)
+    TORCH,
+    Backend,
+    StepData,
+    attend_all,
+    expected_all,
+    geometry,
+    one_torch_thread,
+    random_step,
+    stored,
+)
 
 MLX = Backend("mlx", mx.array, lambda a: np.array(a.astype(mx.float32)))
 BACKENDS = (TORCH, MLX)
@@ -44,7 +53,7 @@ MAX_TOKENS = 6  # most tokens a sequence writes in one step
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 FAST = settings(
-    max_examples=60,
+    max_examples=100,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
 )
@@ -80,11 +89,6 @@ def setups(draw) -> Setup:
         n_kv * draw(st.sampled_from([1, 2, 3])),
         draw(st.sampled_from([0.0, 2.5])),
     )
-
-
-def stored(x: np.ndarray, kv_dtype: str) -> np.ndarray:
-    """What storage in ``kv_dtype`` keeps of ``x`` (round to nearest even, once)."""
-    return torch.from_numpy(x).to(getattr(torch, kv_dtype)).float().numpy()
 
 
 @dataclass
@@ -146,7 +150,9 @@ class Harness:
             return []
         return list(results.values())
 
-    def assert_same_verdicts(self, what: str, refused: dict[tuple[str, str], Optional[str]]) -> None:
+    def assert_same_verdicts(
+        self, what: str, refused: dict[tuple[str, str], Optional[str]]
+    ) -> None:
         assert len({r is None for r in refused.values()}) == 1, f"{what}: kinds disagree {refused}"
         for kind in self.kinds:
             reasons = {refused[b.name, kind] for b in BACKENDS}
@@ -187,7 +193,9 @@ class Harness:
         self.pos[seq] = position
 
     # -- steps ------------------------------------------------------------------------
-    def step(self, seq_ids: list[int], data: StepData, bad: Optional[Step] = None, abort: bool = False) -> None:
+    def step(
+        self, seq_ids: list[int], data: StepData, bad: Optional[Step] = None, abort: bool = False
+    ) -> None:
         """Run one step on every cache and check every layer's output.
 
         ``bad``: a declaration every kind refuses, tried once the step is declared; the
@@ -199,27 +207,25 @@ class Harness:
             positions.append(running[s])
             running[s] += 1
         step = Step(seq_ids, positions)
-        setup = self.setup
-        kv = setup.config.kv_dtype
-        truth = StepData(data.q, tuple(stored(k, kv) for k in data.k), tuple(stored(v, kv) for v in data.v))
-        want = [
-            self.oracle.attend(layer, step.seq_ids, step.positions, q, k, v, 0.5, setup.softcap)
-            for layer, (q, k, v) in enumerate(zip(truth.q, truth.k, truth.v))
-        ]
+        softcap = self.setup.softcap
+        # The oracle holds K/V as storage keeps them; attention itself runs in fp32.
+        truth = stored(data, self.setup.config.kv_dtype)
+        want = expected_all(self.oracle, step, truth, 0.5, softcap)
         self.verb("declare_step", step)
         if bad is not None:
             self.refuse("declare_step", bad)
         outs = {}
         for (backend, kind), cache in self.caches.items():
             converter = MLX if backend == MLX.name else TORCH
-            outs[backend, kind] = attend_all(cache, converter, data, 0.5, setup.softcap)
+            outs[backend, kind] = attend_all(cache, converter, data, 0.5, softcap)
         self.verb("abort_step" if abort else "finish_step")
         reference = outs[TORCH.name, self.kinds[0]]
         for key, got in outs.items():
             for layer, (out, expected, ref) in enumerate(zip(got, want, reference)):
                 where = f"{key} layer {layer} of {step}"
-                np.testing.assert_allclose(out, expected, atol=ATOL, rtol=0, err_msg=f"oracle: {where}")
-                np.testing.assert_allclose(out, ref, atol=ATOL, rtol=0, err_msg=f"reference: {where}")
+                close = dict(atol=ATOL, rtol=0)
+                np.testing.assert_allclose(out, expected, **close, err_msg=f"oracle: {where}")
+                np.testing.assert_allclose(out, ref, **close, err_msg=f"reference: {where}")
         if not abort:
             self.oracle.commit(step.seq_ids, step.positions, truth.k, truth.v)
             self.pos = running

@@ -27,7 +27,9 @@ class HistoryOracle:
         del self.seqs[seq_id]
 
     def clone(self, src: int, dst: int, upto: int) -> None:
-        self.seqs[dst] = [{p: kv for p, kv in layer.items() if p < upto} for layer in self.seqs[src]]
+        self.seqs[dst] = [
+            {p: kv for p, kv in layer.items() if p < upto} for layer in self.seqs[src]
+        ]
 
     def rewind(self, seq_id: int, position: int) -> None:
         self.seqs[seq_id] = [

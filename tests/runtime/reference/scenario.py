@@ -45,10 +45,12 @@ class StepData:
     v: tuple[np.ndarray, ...]
 
 
-def geometry(windows: Sequence[int], n_kv: int, head_dim: int, v_head_dim: int | None = None) -> CacheGeometry:
-    return CacheGeometry(
-        tuple(LayerGeometry(LayerPolicy.from_window(w), n_kv, head_dim, v_head_dim) for w in windows)
-    )
+def geometry(
+    windows: Sequence[int], n_kv: int, head_dim: int, v_head_dim: int | None = None
+) -> CacheGeometry:
+    """One layer per window (0 = flat), all with the same heads and dims."""
+    policies = [LayerPolicy.from_window(w) for w in windows]
+    return CacheGeometry(tuple(LayerGeometry(p, n_kv, head_dim, v_head_dim) for p in policies))
 
 
 def random_step(rng: np.random.Generator, geo: CacheGeometry, n_q: int, tokens: int) -> StepData:
@@ -60,7 +62,18 @@ def random_step(rng: np.random.Generator, geo: CacheGeometry, n_q: int, tokens: 
     return StepData(tuple(qs), tuple(ks), tuple(vs))
 
 
-def attend_all(cache: Any, backend: Backend, data: StepData, scale: float, softcap: float) -> list[np.ndarray]:
+def stored(data: StepData, kv_dtype: str) -> StepData:
+    """``data`` with K/V as storage in ``kv_dtype`` keeps them (rounded once, to nearest)."""
+
+    def keep(x: np.ndarray) -> np.ndarray:
+        return torch.from_numpy(x).to(getattr(torch, kv_dtype)).float().numpy()
+
+    return StepData(data.q, tuple(map(keep, data.k)), tuple(map(keep, data.v)))
+
+
+def attend_all(
+    cache: Any, backend: Backend, data: StepData, scale: float, softcap: float
+) -> list[np.ndarray]:
     """Every layer's output of the declared step, as numpy."""
     to = backend.to_tensor
     return [
@@ -69,7 +82,9 @@ def attend_all(cache: Any, backend: Backend, data: StepData, scale: float, softc
     ]
 
 
-def expected_all(oracle: HistoryOracle, step: Step, data: StepData, scale: float, softcap: float) -> list[np.ndarray]:
+def expected_all(
+    oracle: HistoryOracle, step: Step, data: StepData, scale: float, softcap: float
+) -> list[np.ndarray]:
     return [
         oracle.attend(layer, step.seq_ids, step.positions, q, k, v, scale, softcap)
         for layer, (q, k, v) in enumerate(zip(data.q, data.k, data.v))

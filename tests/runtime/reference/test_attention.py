@@ -79,7 +79,8 @@ def test_attend_matches_brute_force(n_q: int, n_kv: int, softcap: float) -> None
 
 def test_masking_keys_equals_attending_only_the_kept_keys() -> None:
     g = torch.Generator().manual_seed(1)
-    q, k, v = torch.randn(1, 4, 1, 8, generator=g), torch.randn(1, 2, 3, 8, generator=g), torch.randn(1, 2, 3, 8, generator=g)
+    q = torch.randn(1, 4, 1, 8, generator=g)
+    k, v = torch.randn(1, 2, 3, 8, generator=g), torch.randn(1, 2, 3, 8, generator=g)
     mask = torch.tensor([[True, False, True]])
     kept = torch.tensor([0, 2])
     torch.testing.assert_close(

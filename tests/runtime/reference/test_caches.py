@@ -22,7 +22,16 @@ from mlx_pte.runtime.reference import (
 )
 
 from .oracle import HistoryOracle
-from .scenario import StepData, geometry, one_torch_thread, random_step, run_and_check  # noqa: F401
+from .scenario import (  # noqa: F401  (one_torch_thread: a fixture)
+    TORCH,
+    attend_all,
+    expected_all,
+    geometry,
+    one_torch_thread,
+    random_step,
+    run_and_check,
+    stored,
+)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -119,7 +128,8 @@ def test_flat_forks_copy_only_the_prefix_and_rings_whole() -> None:
     cache, oracle, geo = build("batched-sequence", (0, 3), initial_capacity=2, max_write=8)
     a = cache.seq_new()
     oracle.new(a)
-    run_and_check(cache, oracle, Step.run(0, 7, a), random_step(np.random.default_rng(7), geo, N_Q, 7))
+    data = random_step(np.random.default_rng(7), geo, N_Q, 7)
+    run_and_check(cache, oracle, Step.run(0, 7, a), data)
     b = cache.seq_clone(a, 7)
     flat, ring = cache._pools[b]
     assert flat.k.rows == 7 and ring.k.rows == 10
@@ -139,28 +149,19 @@ def test_pools_grow_by_doubling_and_rings_are_allocated_whole() -> None:
 @pytest.mark.parametrize("kind", KINDS)
 def test_storage_holds_the_kv_dtype(kind: str, kv_dtype: str) -> None:
     cache, oracle, geo = build(kind, (0, 2), kv_dtype=kv_dtype)
-    torch_dtype = getattr(torch, kv_dtype)
     data = random_step(np.random.default_rng(9), geo, N_Q, 3)
-    # The oracle sees K/V rounded to storage once; attention itself runs in fp32.
-    stored = StepData(
-        data.q,
-        tuple(torch.from_numpy(k).to(torch_dtype).float().numpy() for k in data.k),
-        tuple(torch.from_numpy(v).to(torch_dtype).float().numpy() for v in data.v),
-    )
     seq = cache.seq_new() if kind != "single" else 0
     oracle.new(seq)
     step = Step.run(0, 3, seq)
     cache.declare_step(step)
-    outs = [
-        cache.attend(layer, *(torch.from_numpy(x[layer]) for x in (data.q, data.k, data.v)), 0.5)
-        for layer in range(2)
-    ]
-    for layer, out in enumerate(outs):
-        assert out.dtype == torch.float32
-        want = oracle.attend(layer, step.seq_ids, step.positions, stored.q[layer], stored.k[layer], stored.v[layer], 0.5)
-        np.testing.assert_allclose(out.numpy(), want, atol=1e-5)
+    outs = attend_all(cache, TORCH, data, 0.5, 0.0)
+    # Exact only if K/V are rounded to storage once; attention itself runs in fp32.
+    wants = expected_all(oracle, step, stored(data, kv_dtype), 0.5, 0.0)
+    for out, want in zip(outs, wants):
+        np.testing.assert_allclose(out, want, atol=1e-5, rtol=0)
     pools = cache._pools[seq] if kind == "batched-sequence" else cache._pools
-    assert {p.k.data.dtype for p in pools} == {p.v.data.dtype for p in pools} == {torch_dtype}
+    dtypes = {t.dtype for p in pools for t in (p.k.data, p.v.data)}
+    assert dtypes == {getattr(torch, kv_dtype)}
 
 
 def bad_calls(q, k, v):
@@ -231,9 +232,7 @@ def test_an_aborted_step_leaves_the_history_as_it_was(kind: str) -> None:
         run_and_check(cache, oracle, Step.run(at, 3, seq), random_step(rng, geo, N_Q, 3))
     step = Step.run(6, 3, seq)
     cache.declare_step(step)
-    garbage = random_step(rng, geo, N_Q, 3)
-    for layer in range(2):
-        cache.attend(layer, *(torch.from_numpy(x[layer]) for x in (garbage.q, garbage.k, garbage.v)), 0.5)
+    attend_all(cache, TORCH, random_step(rng, geo, N_Q, 3), 0.5, 0.0)
     cache.abort_step()
     run_and_check(cache, oracle, step, random_step(rng, geo, N_Q, 3))
 
@@ -275,7 +274,8 @@ def test_freed_cells_refill_without_leaking_into_new_sequences() -> None:
     rng = np.random.default_rng(15)
     a, b = cache.seq_new(), cache.seq_new()
     oracle.new(a), oracle.new(b)
-    run_and_check(cache, oracle, Step((a, a, b, b, a), (0, 1, 0, 1, 2)), random_step(rng, geo, N_Q, 5))
+    step = Step((a, a, b, b, a), (0, 1, 0, 1, 2))
+    run_and_check(cache, oracle, step, random_step(rng, geo, N_Q, 5))
     cache.seq_rm(a)
     oracle.remove(a)
     c = cache.seq_new()
