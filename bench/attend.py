@@ -3,8 +3,8 @@
 A Llama-1B-like geometry (16 flat layers, 8 KV heads, head_dim 64, 32 query heads,
 float32) holds B sequences of HISTORY positions each; a decode step gives every
 sequence one token. Time per step = ``declare_step`` + ``attend`` on every layer +
-``mx.eval`` of the outputs + ``finish_step``, median over the timed steps. Kinds are
-interleaved per step so machine load hits them alike.
+``mx.eval`` of the outputs + ``finish_step``, median over the timed steps (at least
+64 / B of them). Kinds are interleaved per step so machine load hits them alike.
 
     .venv/bin/python bench/attend.py [--history 512 --batches 1,2,4,8,16,32 --steps 8]
 
@@ -77,7 +77,8 @@ def bench(batch: int, history: int, steps: int, warmup: int) -> dict[str, float]
     subjects = [Subject(kind, batch, history, steps + warmup) for kind in kinds]
     times: dict[str, list[float]] = {kind: [] for kind in kinds}
     for i in range(steps + warmup):
-        for subject in subjects:
+        # Rotate who goes first, so no kind always runs right after another's eval.
+        for subject in subjects[i % len(subjects) :] + subjects[: i % len(subjects)]:
             t = subject.step()
             if i >= warmup:
                 times[subject.kind].append(t)
@@ -88,7 +89,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--history", type=int, default=512, help="positions each sequence holds")
     parser.add_argument("--batches", default="1,2,4,8,16,32", help="comma-separated sequence counts")
-    parser.add_argument("--steps", type=int, default=8, help="timed decode steps per kind")
+    parser.add_argument("--steps", type=int, default=8, help="timed decode steps per kind (at least 64 / B)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed decode steps first")
     args = parser.parse_args()
 
@@ -96,7 +97,8 @@ def main() -> None:
           f"history {args.history}, device {mx.default_device()}, BLAS {mlx_pte.runtime.mlx.blas.loaded_path()}")
     print(f"{'B':>3} {'cell ms':>9} {'sequence ms':>12} {'single ms':>10} {'cell / sequence':>16}")
     for batch in (int(b) for b in args.batches.split(",")):
-        ms = bench(batch, args.history, args.steps, args.warmup)
+        # Small batches are quick and noisier: give them more steps.
+        ms = bench(batch, args.history, max(args.steps, 64 // batch), args.warmup)
         single = f"{ms['single']:>10.2f}" if "single" in ms else f"{'':>10}"
         ratio = ms["batched-cell"] / ms["batched-sequence"]
         print(f"{batch:>3} {ms['batched-cell']:>9.2f} {ms['batched-sequence']:>12.2f} {single} {ratio:>16.2f}",

@@ -13,7 +13,7 @@ from typing import Any, Iterator
 
 import torch
 
-from mlx_pte.runtime.cache import CacheError
+from mlx_pte.runtime.cache import AttendError, CacheError
 
 OP_NAME = "llm::update_and_attend"
 
@@ -57,7 +57,7 @@ def update_and_attend(
         )
     declared = cache.step_plan.step.positions
     if tuple(positions.reshape(-1).tolist()) != declared:
-        raise CacheError(
+        raise AttendError(
             f"the forward's positions {positions.reshape(-1).tolist()} differ from the "
             f"declared step's {list(declared)}"
         )

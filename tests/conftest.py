@@ -5,6 +5,7 @@ from pathlib import Path
 from typing import Callable
 
 import pytest
+import torch
 
 from tests.fixtures.tiny_models import build_tiny_checkpoint, build_tokenizer
 
@@ -26,3 +27,12 @@ def tiny_checkpoint(tmp_path_factory, tiny_tokenizer) -> Callable[[str], Path]:
         return built[family]
 
     return get
+
+
+@pytest.fixture(scope="session", autouse=True)
+def one_torch_thread():
+    """Tests run tiny models: intra-op threads only add synchronisation on 2 cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

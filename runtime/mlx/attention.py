@@ -10,10 +10,7 @@ import mlx_pte.runtime.mlx.blas  # noqa: F401  (before mlx.core: fast BLAS)
 import mlx.core as mx
 
 from .masks import Mask, lower_right_mask
-
-
-def _fp32(a: mx.array) -> mx.array:
-    return a if a.dtype == mx.float32 else a.astype(mx.float32)
+from .pool import cast
 
 
 def attend(
@@ -33,12 +30,12 @@ def attend(
         [B, Hq, T, Dv] in q's dtype.
     """
     out_dtype = q.dtype
-    q, k, v = _fp32(q), _fp32(k), _fp32(v)
+    q, k, v = (cast(a, mx.float32) for a in (q, k, v))
     if softcap > 0:
         out = _softcapped(q, k, v, scale, softcap, mask)
     else:
         out = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
-    return out if out.dtype == out_dtype else out.astype(out_dtype)
+    return cast(out, out_dtype)
 
 
 def _softcapped(

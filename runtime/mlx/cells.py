@@ -83,8 +83,8 @@ class MLXCellCache(CellCache):
         cells, top = self._memo.get(
             plan, "cells", lambda: (mx.array(plan.cells.astype("int32")), int(plan.cells.max()))
         )
-        pools.k.write_cells(cells, k, top)
-        pools.v.write_cells(cells, v, top)
+        pools.k.scatter(cells, k, top)
+        pools.v.scatter(cells, v, top)
         keys = pools.k.read(0, 0, plan.read_len)
         values = pools.v.read(0, 0, plan.read_len)
         window = geo.policy.window

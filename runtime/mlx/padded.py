@@ -24,10 +24,10 @@ from .attention import attend
 from .masks import Mask, visible
 from .pool import LayerPools
 
-# What one more per-span attention costs, in query-key pairs of padded work: the span
-# loop pays ~10 small graph nodes per span and layer, worth about this much attention
-# over a [H, keys, D] window on CPU. Measured by bench/attend.py's crossover.
-SPAN_OVERHEAD_PAIRS = 4096
+# What one more span costs the span loop (a read and an attention call per layer, about
+# 50 us on CPU), in padded query-key pairs (about 1 us each over a [8, keys, 64] window):
+# measured on decode steps of 2..32 sequences with equal and unequal histories.
+SPAN_OVERHEAD_PAIRS = 64
 
 
 @dataclass(frozen=True)
@@ -42,9 +42,6 @@ class PaddedBatch:
     hi: int
     t_max: int
     read_len: int  # slots read per row
-    rows: mx.array  # int32 [T]: each token's pool row
-    slots: mx.array  # int32 [T]: each token's slot
-    top_slot: int
     gather: Optional[mx.array]  # int32 [rows * t_max]: token of each padded query (T = padding)
     scatter: Optional[mx.array]  # int32 [T]: padded query of each token
     mask: Mask  # bool [rows, 1, t_max, read_len], None when every row sees every slot
@@ -74,8 +71,6 @@ def plan_padded(spans: Sequence[tuple[Span, RunPlan]], layout: Layout) -> Option
         return None
 
     tokens = sum(span.count for span, _ in spans)
-    token_rows = np.empty(tokens, np.int32)
-    token_pos = np.empty(tokens, np.int32)
     scatter = np.empty(tokens, np.int32)
     gather = np.full((hi - lo) * t_max, tokens, np.int32)
     query_pos = np.full((hi - lo, t_max), -1, np.int32)
@@ -83,13 +78,10 @@ def plan_padded(spans: Sequence[tuple[Span, RunPlan]], layout: Layout) -> Option
     for span, run in spans:
         b = span.seq_id - lo
         at = slice(span.start, span.start + span.count)
-        token_rows[at] = span.seq_id
-        token_pos[at] = np.arange(run.position, run.position + run.count)
         scatter[at] = b * t_max + np.arange(span.count)
         gather[scatter[at]] = np.arange(span.start, span.start + span.count)
-        query_pos[b, : span.count] = token_pos[at]
+        query_pos[b, : span.count] = np.arange(run.position, run.position + run.count)
         newest[b] = run.position + run.count - 1
-    slots = token_pos % ring.slots if ring else token_pos
     in_order = bool(np.array_equal(scatter, np.arange((hi - lo) * t_max)))
     full_view = t_max == 1 and hi - lo == n and all(run.read_len == read_len for _, run in spans)
     return PaddedBatch(
@@ -97,9 +89,6 @@ def plan_padded(spans: Sequence[tuple[Span, RunPlan]], layout: Layout) -> Option
         hi=hi,
         t_max=t_max,
         read_len=read_len,
-        rows=mx.array(token_rows),
-        slots=mx.array(slots),
-        top_slot=int(slots.max()),
         gather=None if in_order else mx.array(gather),
         scatter=None if in_order else mx.array(scatter),
         mask=None if full_view else _slot_mask(query_pos, newest, read_len, ring),
@@ -127,26 +116,17 @@ def _slot_mask(
 
 
 def attend_padded(
-    pools: LayerPools,
-    batch: PaddedBatch,
-    q: mx.array,
-    k: mx.array,
-    v: mx.array,
-    scale: float,
-    softcap: float,
+    pools: LayerPools, batch: PaddedBatch, q: mx.array, scale: float, softcap: float
 ) -> mx.array:
-    """Write every token's K/V into its row and attend all rows in one call.
+    """Attend every row in one call; the step's K/V are already written.
 
     Returns:
         [1, Hq, T, Dv] in q's dtype, token order.
     """
-    top_row = batch.hi - 1
-    pools.k.scatter(batch.slots, k, batch.top_slot, batch.rows, top_row)
-    pools.v.scatter(batch.slots, v, batch.top_slot, batch.rows, top_row)
     keys = pools.k.window(batch.lo, batch.hi, batch.read_len)
     values = pools.v.window(batch.lo, batch.hi, batch.read_len)
     rows = batch.hi - batch.lo
-    _, q_heads, tokens, dim = q.shape
+    q_heads, dim = q.shape[1], q.shape[3]
     queries = q[0].transpose(1, 0, 2)  # [T, Hq, D], token-major
     if batch.gather is not None:
         padding = mx.zeros((1, q_heads, dim), q.dtype)

@@ -25,6 +25,7 @@ import mlx_pte.runtime.mlx.blas  # noqa: F401  (before mlx.core: fast BLAS)
 import mlx.core as mx
 
 from mlx_pte.runtime.cache import CacheError, Run
+from mlx_pte.runtime.cache.step import MAX_INDEX
 
 STORAGE_DTYPES: dict[str, mx.Dtype] = {
     "float32": mx.float32,
@@ -35,6 +36,11 @@ STORAGE_DTYPES: dict[str, mx.Dtype] = {
 
 class PoolBoundsError(CacheError, IndexError):
     """A write or read outside what a pool may hold (a planner bug, not a user error)."""
+
+
+def cast(a: mx.array, dtype: mx.Dtype) -> mx.array:
+    """``a`` as ``dtype``, adding no graph node when it already is."""
+    return a if a.dtype == dtype else a.astype(dtype)
 
 
 def grown_size(current: int, first: int, needed: int, cap: int) -> int:
@@ -108,40 +114,7 @@ class Pool:
             pad = mx.zeros((new_rows - self.rows, self.heads, self.slots, self.dim), self.dtype)
             self.data = mx.concatenate([self.data, pad], axis=0)
 
-    def _check_update(self, update: mx.array, tokens: int) -> None:
-        shape = tuple(update.shape)
-        if len(shape) != 4 or shape[0] != 1 or shape[1] != self.heads or shape[3] != self.dim:
-            raise PoolBoundsError(
-                f"pool update must be [1, {self.heads}, tokens, {self.dim}], got {shape}"
-            )
-        if shape[2] != tokens:
-            raise PoolBoundsError(f"pool update carries {shape[2]} tokens, {tokens} expected")
-
-    def _stored(self, update: mx.array) -> mx.array:
-        return update if update.dtype == self.dtype else update.astype(self.dtype)
-
-    # -- contiguous runs --------------------------------------------------------------------
-    def write(self, row: int, start: int, update: mx.array) -> None:
-        """Write ``update`` ([1, H, n, D]) at slots ``[start, start + n)`` of ``row``."""
-        length = update.shape[2]
-        self._check_update(update, length)
-        if start < 0 or row < 0:
-            raise PoolBoundsError(f"pool write at row {row}, slot {start} is out of bounds")
-        self.reserve(row + 1, start + length)
-        self.data = mx.slice_update(
-            self.data, self._stored(update), mx.array([row, start]), axes=(0, 2)
-        )
-
-    def write_runs(self, row: int, runs: Sequence[Run], update: mx.array) -> None:
-        """Write ``update``'s tokens, in order, into the physical ``runs`` of ``row``."""
-        if len(runs) == 1:
-            self.write(row, runs[0].start, update)
-            return
-        at = 0
-        for run in runs:
-            self.write(row, run.start, update[:, :, at : at + run.length])
-            at += run.length
-
+    # -- reads ------------------------------------------------------------------------------
     def read(self, row: int, start: int, length: int) -> mx.array:
         """Slots ``[start, start + length)`` of ``row``: [1, H, length, D], storage dtype."""
         if row < 0 or start < 0 or row >= self.rows or start + length > self.slots:
@@ -156,7 +129,7 @@ class Pool:
         parts = [self.read(row, run.start, run.length) for run in runs]
         return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2)
 
-    # -- scattered tokens ---------------------------------------------------------------------
+    # -- writes -------------------------------------------------------------------------------
     def scatter(
         self,
         slots: mx.array,
@@ -175,22 +148,24 @@ class Pool:
             top_row: the largest entry of ``rows``.
         """
         tokens = slots.shape[0]
-        self._check_update(update, tokens)
+        shape = tuple(update.shape)
+        if shape != (1, self.heads, tokens, self.dim):
+            raise PoolBoundsError(
+                f"pool update must be [1, {self.heads}, {tokens}, {self.dim}], got {shape}"
+            )
         self.reserve(top_row + 1, top_slot + 1)
         rows_, heads, slots_, dim = self.data.shape
         # Flatten to [rows*H*slots, D] so one scatter along axis 0 places every
         # (row, head, slot); a reshape of the contiguous pool is free.
-        base = mx.arange(heads, dtype=mx.int32)[None, :] * slots_ + slots[:, None]
-        if rows is not None:
-            base = base + (rows * (heads * slots_))[:, None]
+        wide = rows_ * heads * slots_ > MAX_INDEX  # int32 indices would overflow
+        itype = mx.int64 if wide else mx.int32
+        base = mx.arange(heads, dtype=itype)[None, :] * slots_ + cast(slots, itype)[:, None]
+        if rows is not None and top_row > 0:  # rows all 0 add nothing
+            base = base + (cast(rows, itype) * (heads * slots_))[:, None]
         index = base.reshape(tokens * heads, 1)
-        values = self._stored(update)[0].transpose(1, 0, 2).reshape(tokens * heads, dim)
+        values = cast(update, self.dtype)[0].transpose(1, 0, 2).reshape(tokens * heads, dim)
         flat = self.data.reshape(rows_ * heads * slots_, dim)
         self.data = mx.put_along_axis(flat, index, values, axis=0).reshape(rows_, heads, slots_, dim)
-
-    def write_cells(self, cells: mx.array, update: mx.array, top_cell: int) -> None:
-        """Scatter token i of ``update`` to cell ``cells[i]`` of row 0 (the cell layout)."""
-        self.scatter(cells, update, top_cell)
 
     # -- whole rows ---------------------------------------------------------------------------
     def window(self, lo: int, hi: int, length: int) -> mx.array:

@@ -1,18 +1,26 @@
 """``single`` and ``batched-sequence`` on MLX: a private history per sequence.
 
 Both keep, per layer, one K and one V pool whose row r is sequence r's history (the
-single kind uses row 0). A step is answered per layer either span by span (each span
-writes its run plan's runs and attends its read runs, in logical order, with the mask
-the run plan asks for) or, when several sequences step together and it is cheaper, as
-one padded batch over their rows (see ``padded``). Spans run in token order, so a
-sequence spanned twice in one step sees its first span's tokens from its second.
+single kind uses row 0). A step writes all its tokens first, in one scatter per pool,
+then attends either span by span (each span reads its run plan's runs in logical order,
+with the mask the run plan asks for) or, when several sequences step together and it
+is cheaper, as one padded batch over their rows (see ``padded``).
+
+Writing before reading is safe: a step writes at most ``max_write`` tokens per
+sequence, and a ring keeps ``window + max_write - 1`` slots, so no token of the step
+lands on a slot any query of the step reads for an older position. It is also what
+keeps writes in place: a read still pending on the pool would make MLX copy the whole
+pool on the next write.
 
 Forks copy rows inside the pools: a flat layer's prefix, a ring whole (a ring keeps
 position q at slot ``q mod slots``, so its fork keeps every slot).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
+
+import numpy as np
 
 import mlx_pte.runtime.mlx.blas  # noqa: F401  (before mlx.core: fast BLAS)
 import mlx.core as mx
@@ -23,8 +31,10 @@ from mlx_pte.runtime.cache import (
     CacheConfig,
     CacheGeometry,
     RingLayout,
+    SequenceStepPlan,
     SingleCache,
 )
+from mlx_pte.runtime.cache.plans import Layout
 from mlx_pte.runtime.cache.step import MAX_INDEX
 
 from .attention import attend
@@ -32,6 +42,24 @@ from .checks import check_attend
 from .masks import StepMemo, run_mask
 from .padded import PaddedBatch, attend_padded, plan_padded
 from .pool import STORAGE_DTYPES, LayerPools, layer_pools
+
+
+@dataclass(frozen=True)
+class TokenSlots:
+    """Where each token of a step lands in one layout's pools."""
+
+    rows: mx.array  # int32 [T]: the token's sequence (= pool row)
+    slots: mx.array  # int32 [T]: its position, modulo the ring's slots
+    top_row: int
+    top_slot: int
+
+
+def token_slots(plan: SequenceStepPlan, layout: Layout) -> TokenSlots:
+    rows = np.asarray(plan.step.seq_ids, np.int32)
+    slots = np.asarray(plan.step.positions, np.int32)
+    if isinstance(layout, RingLayout):
+        slots %= layout.slots
+    return TokenSlots(mx.array(rows), mx.array(slots), int(rows.max()), int(slots.max()))
 
 
 class SequencePools:
@@ -85,22 +113,22 @@ class SequencePools:
         check_attend(self, layer, q, k, v, softcap)
         plan = self.step_plan
         index = self.policies.layer_layout[layer]
+        layout = self.policies.layouts[index]
         pools = self._pools[layer]
+        at = self._memo.get(plan, ("slots", index), lambda: token_slots(plan, layout))
+        for pool, update in ((pools.k, k), (pools.v, v)):
+            pool.scatter(at.slots, update, at.top_slot, at.rows, at.top_row)
+        runs = plan.runs_for_layer(layer)
         batch: Optional[PaddedBatch] = self._memo.get(
-            plan,
-            ("batch", index),
-            lambda: plan_padded(plan.runs_for_layer(layer), self.policies.layouts[index]),
+            plan, ("batch", index), lambda: plan_padded(runs, layout)
         )
         if batch is not None:
-            return attend_padded(pools, batch, q, k, v, scale, softcap)
+            return attend_padded(pools, batch, q, scale, softcap)
         outs = []
-        for i, (span, run) in enumerate(plan.runs_for_layer(layer)):
+        for i, (span, run) in enumerate(runs):
             tokens = slice(span.start, span.start + span.count)
-            row = span.seq_id
-            pools.k.write_runs(row, run.write, k[:, :, tokens])
-            pools.v.write_runs(row, run.write, v[:, :, tokens])
-            keys = pools.k.read_runs(row, run.read)
-            values = pools.v.read_runs(row, run.read)
+            keys = pools.k.read_runs(span.seq_id, run.read)
+            values = pools.v.read_runs(span.seq_id, run.read)
             mask = self._memo.get(plan, ("span", index, i), lambda: run_mask(run))
             outs.append(attend(q[:, :, tokens], keys, values, scale, softcap, mask))
         return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)
