@@ -14,7 +14,7 @@ import mlx.core as mx
 from mlx_pte.runtime.cache import CacheConfig, CacheGeometry, CellCache, CellStepPlan
 
 from .attention import attend
-from .checks import check_attend
+from mlx_pte.runtime.cache.attend_checks import check_attend
 from .masks import StepMemo, visible
 from .pool import STORAGE_DTYPES, LayerPools, layer_pools
 

@@ -38,7 +38,7 @@ from mlx_pte.runtime.cache.plans import Layout
 from mlx_pte.runtime.cache.step import MAX_INDEX
 
 from .attention import attend
-from .checks import check_attend
+from mlx_pte.runtime.cache.attend_checks import check_attend
 from .masks import StepMemo, run_mask
 from .padded import PaddedBatch, attend_padded, plan_padded
 from .pool import STORAGE_DTYPES, LayerPools, layer_pools

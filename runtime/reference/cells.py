@@ -11,7 +11,7 @@ import torch
 from mlx_pte.runtime.cache import CacheConfig, CacheGeometry, CellCache, Run
 
 from .attention import attend
-from .checks import check_attend
+from mlx_pte.runtime.cache.attend_checks import check_attend
 from .layers import LayerPools, PoolSize, layer_pools
 
 

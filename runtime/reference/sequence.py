@@ -20,7 +20,7 @@ from mlx_pte.runtime.cache import (
 )
 
 from .attention import attend, run_mask
-from .checks import check_attend
+from mlx_pte.runtime.cache.attend_checks import check_attend
 from .layers import LayerPools, fork_pools, layer_pools, sequence_sizes
 
 

@@ -1,13 +1,16 @@
 """Validation of an ``attend`` call against the declared step and the layer's geometry.
 
-It reads only ``.shape`` and ``.dtype`` and runs before anything is written, so a
-rejected call leaves the cache exactly as it was.
+Backend-neutral: it reads only ``.shape`` and ``.dtype``, which torch and MLX arrays both
+have. It runs before anything is written, so a rejected call leaves the cache exactly as
+it was.
 """
 from __future__ import annotations
 
 from typing import Any
 
-from mlx_pte.runtime.cache import AttendError, CacheBase, LayerGeometry
+from .base import CacheBase
+from .config import LayerGeometry
+from .errors import AttendError
 
 
 def check_attend(cache: CacheBase, layer: object, q: Any, k: Any, v: Any, softcap: float) -> LayerGeometry:
