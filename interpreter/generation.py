@@ -7,6 +7,9 @@ from typing import Callable, Optional, Sequence, Union
 
 import numpy as np
 
+import mlx_pte.runtime.mlx.blas  # noqa: F401  (before mlx.core: fast BLAS)
+import mlx.core as mx
+
 from mlx_pte.runtime.cache import CacheRefused, Step
 
 from .sampling import Sampler, SamplingParams
@@ -44,6 +47,21 @@ def _room(session: Session, seq_id: Optional[int], n: int) -> Optional[str]:
         return session.cache.can_extend(n).reason
     start = session.cache.pos(seq_id)
     return session.cache.check_step(Step.run(start, min(n, session.max_step), seq_id)).reason
+
+
+def _choose(sampler: Sampler, logits_row: mx.array) -> mx.array:
+    """The next token as an int64 scalar: argmax on device when greedy (no copy of the
+    logits to the host, no wait), else drawn on the host from the logits."""
+    if sampler.params.greedy:
+        return mx.argmax(logits_row).astype(mx.int64)
+    return mx.array(sampler(np.array(logits_row)), dtype=mx.int64)
+
+
+def _rewind_one(session: Session, seq_id: Optional[int]) -> None:
+    if session.batched:
+        session.cache.rewind(seq_id, session.cache.pos(seq_id) - 1)
+    else:
+        session.cache.rewind(session.cache.pos() - 1)
 
 
 def generate(
@@ -89,14 +107,23 @@ def _generate(session, ids, seq_id, max_new_tokens, sampling, codec, on_text, st
     for at in range(0, len(ids), session.max_step):
         chunk = ids[at : at + session.max_step]
         try:
-            logits = session.forward(chunk, seq_ids=seq_id, rows=[len(chunk) - 1])
+            logits = session.forward(chunk, seq_ids=seq_id, rows=[len(chunk) - 1], evaluate=False)
         except CacheRefused as refused:
             raise GenerationError(f"the prompt does not fit: {refused.reason}") from None
-    token = sampler(np.array(logits[0]))
-    result.prefill_seconds = time.perf_counter() - t0
-
-    t1 = time.perf_counter()
+    pending = _choose(sampler, logits[0])
+    t1 = 0.0
     while True:
+        # The next step is built from the still-unevaluated token, so the host builds step
+        # n+1 while the device computes step n; the cache needs only its position.
+        more = len(result.tokens) + 1 < max_new_tokens and not _room(session, seq_id, 1)
+        if more:
+            logits = session.forward(pending, seq_ids=seq_id, evaluate=False)
+            following = _choose(sampler, logits[0])
+            mx.async_eval(following)
+        token = int(pending.item())
+        if not result.tokens:
+            t1 = time.perf_counter()
+            result.prefill_seconds = t1 - t0
         result.tokens.append(token)
         if decoder and on_text:
             piece = decoder.push(token)
@@ -104,15 +131,13 @@ def _generate(session, ids, seq_id, max_new_tokens, sampling, codec, on_text, st
                 on_text(piece)
         if token in eos:
             result.finish_reason = "eos"
+            if more:  # it was fed already; the cache ends before the last token, as always
+                _rewind_one(session, seq_id)
             break
-        if len(result.tokens) >= max_new_tokens:
-            result.finish_reason = "length"
+        if not more:
+            result.finish_reason = "length" if len(result.tokens) >= max_new_tokens else "capacity"
             break
-        if _room(session, seq_id, 1):
-            result.finish_reason = "capacity"
-            break
-        logits = session.forward([token], seq_ids=seq_id)
-        token = sampler(np.array(logits[0]))
+        pending = following
     result.decode_seconds = time.perf_counter() - t1
     if decoder and on_text:
         tail = decoder.flush()

@@ -90,24 +90,33 @@ class Session:
 
     def forward(
         self,
-        tokens: Sequence[int] | np.ndarray,
+        tokens: Sequence[int] | np.ndarray | mx.array,
         positions: Optional[Sequence[int] | np.ndarray] = None,
         seq_ids: Optional[Sequence[int] | np.ndarray | int] = None,
         rows: Optional[Sequence[int] | np.ndarray] = None,
+        evaluate: bool = True,
     ) -> mx.array:
         """Run one step and return float32 logits ``[R, V]`` for the selected rows.
 
         Args:
-            tokens: the step's token ids, in token order.
+            tokens: the step's token ids, in token order. An ``mx.array`` may still be
+                unevaluated (e.g. the previous step's argmax): the cache needs only
+                positions, so the next step's graph is built without waiting for it.
             positions: each token's position; by default each sequence continues where
                 it ends.
             seq_ids: each token's sequence (an int applies to every token); required for
                 batched kinds, ignored (always 0) for ``single``.
             rows: token indices whose logits are wanted; by default the last token of
                 each sequence in the step, in first-seen order.
+            evaluate: evaluate the logits before returning. With False the caller
+                evaluates them (MLX reports graph errors while the graph is built, so the
+                step is still aborted on any error raised here).
         """
-        tokens_a = _int_array("tokens", tokens)
-        count = len(tokens_a)
+        if isinstance(tokens, mx.array):
+            tokens_a = tokens.astype(mx.int64).reshape(-1)
+        else:
+            tokens_a = _int_array("tokens", tokens)
+        count = tokens_a.size
         if count == 0:
             raise SessionError("a forward needs at least one token")
         if count > self.max_step:
@@ -124,7 +133,8 @@ class Session:
             (logits,) = self.program.run(
                 [tokens_a.reshape(1, count), pos, rows_a], cache=self.cache
             )
-            mx.eval(logits)
+            if evaluate:
+                mx.eval(logits)
         except BaseException:
             self.cache.abort_step()
             raise

@@ -1,0 +1,57 @@
+"""generate() against a plain one-forward-per-token loop over the same Session API."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mlx_pte.export.hf_export import export_hf
+from mlx_pte.interpreter import Session, generate, load
+from mlx_pte.interpreter.generation import GenerationError
+from mlx_pte.interpreter.sampling import SamplingParams
+
+PROMPT = [5, 17, 99, 3, 250, 42, 7]
+
+
+@pytest.fixture(scope="module")
+def program(tiny_checkpoint, tmp_path_factory):
+    pte = export_hf(tiny_checkpoint("gemma3"), tmp_path_factory.mktemp("gen") / "m.pte", max_step=4, progress=False)
+    return load(pte)
+
+
+def stepwise_greedy(program, kind: str, n: int) -> tuple[list[int], int]:
+    """Greedy decoding one synchronous forward at a time; returns tokens and the cache's end."""
+    session = Session(program, kind=kind, capacity=64)
+    seq = session.cache.seq_new() if session.batched else None
+    logits = None
+    for at in range(0, len(PROMPT), 4):
+        logits = session.forward(PROMPT[at : at + 4], seq_ids=seq)
+    tokens = [int(np.argmax(np.array(logits[0])))]
+    while len(tokens) < n:
+        logits = session.forward([tokens[-1]], seq_ids=seq)
+        tokens.append(int(np.argmax(np.array(logits[0]))))
+    return tokens, session.cache.pos(seq) if session.batched else session.cache.pos()
+
+
+@pytest.mark.parametrize("kind", ["single", "batched-sequence"])
+def test_pipelined_greedy_equals_stepwise_and_leaves_the_same_cache(program, kind):
+    want, want_end = stepwise_greedy(program, kind, 12)
+    session = Session(program, kind=kind, capacity=64)
+    got = generate(session, PROMPT, max_new_tokens=12, stop_on_eos=False)
+    assert got.tokens == want and got.finish_reason == "length"
+    if not session.batched:  # the last token is never written, as in the stepwise loop
+        assert session.cache.pos() == want_end == len(PROMPT) + 11
+
+
+def test_capacity_stops_generation_with_the_reason(program):
+    session = Session(program, capacity=len(PROMPT) + 3)
+    got = generate(session, PROMPT, max_new_tokens=20, stop_on_eos=False)
+    assert got.finish_reason == "capacity" and len(got.tokens) == 4
+    with pytest.raises(GenerationError, match="does not fit"):
+        generate(Session(program, capacity=len(PROMPT) - 1), PROMPT, max_new_tokens=2)
+
+
+def test_sampled_generation_repeats_per_seed(program):
+    params = SamplingParams(temperature=1.0, top_k=20, seed=3)
+    a = generate(Session(program, capacity=64), PROMPT, max_new_tokens=10, sampling=params, stop_on_eos=False)
+    b = generate(Session(program, capacity=64), PROMPT, max_new_tokens=10, sampling=params, stop_on_eos=False)
+    assert a.tokens == b.tokens
