@@ -27,9 +27,7 @@ from mlx_pte.runtime.cache import (
     Step,
     StepStateError,
 )
-from tests.runtime.reference.scenario import one_torch_thread  # noqa: F401  (a fixture)
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 VOCAB, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, V_HEAD_DIM = 40, 32, 4, 2, 8, 6
 WINDOWS = (0, 3, 0)  # the middle layer slides

@@ -41,15 +41,6 @@ class Exported:
     other: list[int]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models: intra-op threads only add synchronisation (3x slower on 2 busy cores)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def export_family(tiny_checkpoint):
     """``export_family(family) -> Exported``, traced once per family."""

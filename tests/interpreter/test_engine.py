@@ -7,12 +7,10 @@ step; seeded samples must equal independent runs seeded ``seed + i``.
 from __future__ import annotations
 
 import threading
-from pathlib import Path
 
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from mlx_pte.export.hf_export import export_hf
 from mlx_pte.interpreter.engine import (
     Engine,
     Request,
@@ -21,13 +19,10 @@ from mlx_pte.interpreter.engine import (
     Status,
     StopText,
 )
-from mlx_pte.interpreter.generation import generate
-from mlx_pte.interpreter.program import load
 from mlx_pte.interpreter.sampling import SamplingParams
 from mlx_pte.interpreter.text import TextCodec
 from mlx_pte.ir.manifest import Manifest
 
-MAX_STEP = 32
 KINDS = ("batched-sequence", "batched-cell")
 # Mixed lengths: one token, short, longer than max_step (chunked), medium.
 PROMPTS = (
@@ -36,53 +31,6 @@ PROMPTS = (
     list(range(100, 140)),
     [7, 300, 9, 301, 11, 302, 13, 303, 15, 304, 17, 305, 19],
 )
-
-
-def exported_pte(tmp_path_factory, tiny_checkpoint, family: str) -> Path:
-    """The family's tiny checkpoint exported once per test session (shared by test files)."""
-    path = tmp_path_factory.getbasetemp() / "engine_pte" / f"{family}.pte"
-    if not path.exists():
-        path.parent.mkdir(exist_ok=True)
-        export_hf(tiny_checkpoint(family), path, max_step=MAX_STEP, progress=False)
-    return path
-
-
-@pytest.fixture(scope="session")
-def programs(tmp_path_factory, tiny_checkpoint):
-    """``programs(family)`` -> the loaded program, exported once."""
-    loaded: dict = {}
-
-    def get(family: str):
-        if family not in loaded:
-            loaded[family] = load(exported_pte(tmp_path_factory, tiny_checkpoint, family))
-        return loaded[family]
-
-    return get
-
-
-@pytest.fixture(scope="session")
-def program(programs):
-    return programs("llama")
-
-
-@pytest.fixture(scope="session")
-def oracle(programs):
-    """``oracle(prompt, max_tokens, sampling, family)`` -> GenerationResult of generate() on a
-    single-sequence session of that family."""
-    memo: dict = {}
-    sessions: dict = {}
-
-    def run(prompt, max_tokens, sampling=SamplingParams(), family="llama"):
-        key = (tuple(prompt) if not isinstance(prompt, str) else prompt, max_tokens, sampling, family)
-        if key not in memo:
-            if family not in sessions:
-                sessions[family] = programs(family).session("single")
-            single = sessions[family]
-            single.cache.clear()
-            memo[key] = generate(single, prompt, max_tokens, sampling, stop_on_eos=False)
-        return memo[key]
-
-    return run
 
 
 def run_checked(engine: Engine, handles, events: dict) -> int:

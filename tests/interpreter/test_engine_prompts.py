@@ -11,7 +11,6 @@ from mlx_pte.interpreter.engine import Engine
 from mlx_pte.interpreter.prompts_file import PromptsFileError, run_prompts_file
 from mlx_pte.interpreter.sampling import SamplingParams
 
-from .test_engine import oracle, program, programs  # noqa: F401  (shared fixtures)
 
 GREEDY = {"temperature": 0, "max_tokens": 6, "ignore_eos": True}
 

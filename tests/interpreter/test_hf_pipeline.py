@@ -7,7 +7,6 @@ reference cache matches HF) this closes the parity chain: HF = eager program = M
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import pytest

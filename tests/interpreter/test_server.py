@@ -20,7 +20,6 @@ from mlx_pte.interpreter.server import create_app
 from mlx_pte.interpreter.text import TextCodec
 from mlx_pte.ir.manifest import Manifest
 
-from .test_engine import oracle, program, programs  # noqa: F401  (shared fixtures)
 
 MODEL = "tiny-llama"
 TIMEOUT = 60.0

@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import numpy as np
-import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -32,14 +31,13 @@ from mlx_pte.runtime.cache import (
 )
 
 from .reference.oracle import HistoryOracle
-from .reference.scenario import (  # noqa: F401  (one_torch_thread: a fixture)
+from .reference.scenario import (
     TORCH,
     Backend,
     StepData,
     attend_all,
     expected_all,
     geometry,
-    one_torch_thread,
     random_step,
     stored,
 )
@@ -50,7 +48,6 @@ ATOL = 1e-5
 CAPACITY = 256  # room is never what refuses a scripted verb
 MAX_TOKENS = 6  # most tokens a sequence writes in one step
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 FAST = settings(
     max_examples=100,

@@ -9,21 +9,11 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import numpy as np
-import pytest
 import torch
 
 from mlx_pte.runtime.cache import CacheGeometry, LayerGeometry, LayerPolicy, Step
 
 from .oracle import HistoryOracle
-
-
-@pytest.fixture
-def one_torch_thread():
-    """Tiny tensors on a shared 2-core machine: torch's thread pool only adds contention."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @dataclass(frozen=True)

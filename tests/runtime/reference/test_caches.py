@@ -22,18 +22,16 @@ from mlx_pte.runtime.reference import (
 )
 
 from .oracle import HistoryOracle
-from .scenario import (  # noqa: F401  (one_torch_thread: a fixture)
+from .scenario import (
     TORCH,
     attend_all,
     expected_all,
     geometry,
-    one_torch_thread,
     random_step,
     run_and_check,
     stored,
 )
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 N_Q = 4
 
