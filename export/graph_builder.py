@@ -9,6 +9,7 @@ import sympy
 import torch
 from executorch.exir.dialects.edge._ops import EdgeOpOverload
 from torch.export import ExportedProgram
+from torch.export.graph_signature import InputKind
 from torch.fx import Node
 from torch.utils._sympy.numbers import int_oo
 from torch.utils._sympy.value_ranges import ValueRanges, bound_sympy
@@ -29,6 +30,7 @@ DTYPE_NAMES: dict[torch.dtype, str] = {
 }
 
 Size = Union[int, SlotRef]
+_CONSTANT_KINDS = (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR)
 DimRange = tuple[int, Optional[int]]  # (min, max); max None = unbounded
 
 
@@ -81,6 +83,15 @@ def rank_of(arg: Node) -> int:
 
 def norm_dim(dim: int, rank: int) -> int:
     return dim % rank if rank else 0
+
+
+def ep_constant(ep: ExportedProgram, node: Node) -> Optional[torch.Tensor]:
+    """The tensor behind a parameter, buffer or lifted-constant placeholder of ``ep``
+    (None for any other node)."""
+    spec = next((s for s in ep.graph_signature.input_specs if s.arg.name == node.name), None)
+    if node.op != "placeholder" or spec is None or spec.kind not in _CONSTANT_KINDS:
+        return None
+    return ep.state_dict[spec.target] if spec.target in ep.state_dict else ep.constants[spec.target]
 
 
 def is_number(x: Any) -> bool:

@@ -15,7 +15,18 @@ from torch.fx import Node
 from mlx_pte.ir.graph import Graph, SlotKind, TensorType
 
 from .errors import ExportError
-from .graph_builder import DTYPE_NAMES, Builder, DimRange, is_tensor, range_bounds, target_key, target_name, value_of
+from .fusion import find_fusions
+from .graph_builder import (
+    DTYPE_NAMES,
+    Builder,
+    DimRange,
+    ep_constant,
+    is_tensor,
+    range_bounds,
+    target_key,
+    target_name,
+    value_of,
+)
 from .op_lowerings import LOWERINGS
 
 
@@ -85,11 +96,14 @@ def lower_program(ep: ExportedProgram, signature: Signature) -> tuple[Graph, dic
     """
     b = Builder(ep, signature.dim_ranges)
     specs = {s.arg.name: s for s in ep.graph_signature.input_specs}
+    fusions = find_fusions(ep)
     for node in ep.graph.nodes:
+        if node in fusions.absorbed:
+            continue
         if node.op == "placeholder":
             _lower_placeholder(b, node, specs[node.name])
         elif node.op == "call_function":
-            LOWERINGS[target_key(node.target)].fn(b, node)
+            fusions.roots.get(node, LOWERINGS[target_key(node.target)].fn)(b, node)
     by_name = {node.name: slot for node, slot in b.slots.items() if isinstance(slot, int)}
     inputs = {b.graph.slots[s].name: s for s in b.graph.inputs}
     unused = [name for name in signature.inputs if name not in inputs]
@@ -116,12 +130,4 @@ def _lower_placeholder(b: Builder, node: Node, spec: Any) -> None:
         raise ExportError(f"input {node.name!r} of kind {spec.kind.name} cannot be lowered")
     if not node.users:
         return
-    tensor = _ep_constant(b.ep, spec.target)
-    b.slots[node] = b.add_constant(spec.target, tensor)
-
-
-def _ep_constant(ep: ExportedProgram, name: str) -> torch.Tensor:
-    """A parameter, buffer or lifted constant of ``ep`` by its signature name."""
-    if name in ep.state_dict:
-        return ep.state_dict[name]
-    return ep.constants[name]
+    b.slots[node] = b.add_constant(spec.target, ep_constant(b.ep, node))

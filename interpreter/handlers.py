@@ -79,7 +79,9 @@ _UNARY = {
     "tanh": mx.tanh,
     "sigmoid": mx.sigmoid,
     "relu": lambda x: mx.maximum(x, 0),
-    "silu": lambda x: x * mx.sigmoid(x),
+    # MLX's CPU sigmoid costs more than the exp it is built from: x / (1 + exp(-x)) is
+    # ~25% faster (exp(-x) = inf for very negative x gives the right limit, -0).
+    "silu": lambda x: x / (1 + mx.exp(-x)),
     "erf": mx.erf,
     "reciprocal": mx.reciprocal,
     "logical_not": mx.logical_not,
@@ -177,6 +179,20 @@ def _layer_norm(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx.array:
     return mx.fast.layer_norm(x, weight, bias, attrs["eps"])
 
 
+
+def _rope_half(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
+    half = x.shape[-1] // 2
+    return x * cos + mx.concatenate([-x[..., half:], x[..., :half]], axis=-1) * sin
+
+
+# Compiled, the elementwise math fuses into few kernels (MLX retraces once per shape).
+_rope_half_compiled = mx.compile(_rope_half)
+
+
+@handles("rope_half")
+def _rope_half_handler(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx.array:
+    return _rope_half_compiled(*args)
+
 # -- linear algebra and indexing -------------------------------------------------------
 HANDLERS["matmul"] = _on_operands(mx.matmul)
 
@@ -184,7 +200,12 @@ HANDLERS["matmul"] = _on_operands(mx.matmul)
 @handles("linear")
 def _linear(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx.array:
     x, weight, bias = args
-    out = x @ weight.T
+    if x.ndim and x.size == x.shape[-1]:
+        # One row (decode): weight @ x runs as a BLAS gemv, ~30% faster on CPU than a
+        # one-row gemm against the transposed weight.
+        out = (weight @ x.reshape(-1)).reshape(*x.shape[:-1], weight.shape[0])
+    else:
+        out = x @ weight.T
     return out if bias is None else out + bias
 
 

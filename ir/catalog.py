@@ -220,6 +220,14 @@ define(
         output_rule="like x, normalized over the last dim",
     )
 )
+define(
+    OpSpec(
+        "rope_half",
+        ("x", "cos", "sin"),
+        output_rule="like x: x * cos + rotate_half(x) * sin, rotate_half(x) = cat(-x[..., d/2:], x[..., :d/2]) "
+        "along the last dim (HF's rotary embedding); cos and sin broadcast to x and share its dtype",
+    )
+)
 
 # Linear algebra and indexing.
 define(OpSpec("matmul", ("a", "b"), output_rule="numpy matmul of a and b (batch dims broadcast); dtype of a"))

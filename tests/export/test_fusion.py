@@ -66,7 +66,7 @@ ROPE_DYNAMIC = ({2: _T}, {1: _T}, {1: _T})
 # (module, inputs by size, dynamic shapes, ops that must appear, ops that must not)
 CASES = {
     "rms_norm": (HFRMSNorm, _norm_inputs, NORM_DYNAMIC, {"rms_norm": 1}, {"pow", "mean", "rsqrt", "mul"}),
-    "rms_norm_fourth_power": (lambda: HFRMSNorm(power=4), _norm_inputs, NORM_DYNAMIC, {"pow": 1, "rsqrt": 1}, {"rms_norm"}),
+    "rms_norm_power4": (lambda: HFRMSNorm(power=4), _norm_inputs, NORM_DYNAMIC, {"pow": 1, "rsqrt": 1}, {"rms_norm"}),
     "rms_norm_wrong_dim": (lambda: HFRMSNorm(size=1, dim=1), lambda t: (_rand(t, 3, 1),), NORM_DYNAMIC,
                            {"mean": 1, "rsqrt": 1}, {"rms_norm"}),  # fmt: skip
     "rms_norm_leaked": (lambda: HFRMSNorm(leak=True), _norm_inputs, NORM_DYNAMIC, {"rsqrt": 1}, {"rms_norm"}),

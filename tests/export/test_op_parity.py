@@ -87,6 +87,14 @@ class Norms(nn.Module):
         return self.rms(x), F.rms_norm(x, (8,)), self.ln(x), self.ln_plain(x)
 
 
+class Rope(nn.Module):
+    """HF's rotary-embedding arithmetic: export fuses it to one rope_half (export/fusion.py)."""
+
+    def forward(self, q, cos, sin):
+        rotated = torch.cat((-q[..., 4:], q[..., :4]), dim=-1)
+        return q * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)
+
+
 class LinAlg(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -205,6 +213,7 @@ CASES: dict[str, Case] = {
         _dynamic(0, 0),
     ),
     "norms": Case(Norms, lambda t: (_rand(2, t, 8) * 3,), (5, 1, 11), _dynamic(1)),
+    "rope": Case(Rope, lambda t: (_rand(1, 2, t, 8), _rand(1, t, 8), _rand(1, t, 8)), (5, 1, 11), _dynamic(2, 1, 1)),
     "linalg": Case(
         LinAlg,
         lambda t: (_rand(t, 8), _rand(8, 6), _rand(3, t, 4), _rand(2, 3, t, 4)),
