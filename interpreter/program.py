@@ -98,6 +98,8 @@ class Program:
         self.weights = dict(weights)
         self.manifest = dict(manifest)
         self._steps = _compile(graph)
+        # Each run starts from this list of slot values: the weights in place, the rest empty.
+        self._weight_slots: list[Any] = [self.weights.get(s) for s in range(len(graph.slots))]
 
     @classmethod
     def from_payload(cls, payload: Payload) -> "Program":
@@ -123,23 +125,23 @@ class Program:
 
         return Session(self, *args, **kwargs)
 
-    def run(self, inputs: Sequence[Any], cache: Any = None) -> list[mx.array]:
-        """Run the graph once and return its outputs, evaluated.
+    def run(self, inputs: Sequence[Any], cache: Any = None, evaluate: bool = True) -> list[mx.array]:
+        """Run the graph once and return its outputs.
 
         Args:
             inputs: one array per graph input (numpy, MLX or nested lists), in order.
                 An input of another dtype of the same kind (int, float, bool) is cast.
             cache: the KV cache ``update_and_attend`` writes to and reads from; the
                 caller declares the step before and finishes (or aborts) it after.
+            evaluate: evaluate the outputs before returning; with False they stay lazy,
+                so a caller can build the next step while this one computes.
 
         Raises:
             InputError: wrong number of inputs, a dtype of another kind, a wrong rank
                 or size, a dynamic size outside its range or inconsistent across inputs.
             MissingCacheError: the graph attends and no cache was given.
         """
-        values: list[Any] = [None] * len(self.graph.slots)
-        for slot, array in self.weights.items():
-            values[slot] = array
+        values = list(self._weight_slots)
         for slot, array in zip(self.graph.inputs, self._bind_inputs(inputs)):
             values[slot] = array
         ctx = RunContext(cache)
@@ -155,7 +157,8 @@ class Program:
                 for slot, value in zip(step.outputs, result):
                     values[slot] = value
         outputs = [values[s] for s in self.graph.outputs]
-        mx.eval(outputs)
+        if evaluate:
+            mx.eval(outputs)
         return outputs
 
     def _bind_inputs(self, inputs: Sequence[Any]) -> list[mx.array]:

@@ -131,10 +131,8 @@ class Session:
         self.cache.declare_step(step)
         try:
             (logits,) = self.program.run(
-                [tokens_a.reshape(1, count), pos, rows_a], cache=self.cache
+                [tokens_a.reshape(1, count), pos, rows_a], cache=self.cache, evaluate=evaluate
             )
-            if evaluate:
-                mx.eval(logits)
         except BaseException:
             self.cache.abort_step()
             raise
