@@ -34,11 +34,6 @@ from .step import ALLOWED, Span, Step, Verdict
 NEUTRAL_BACKEND = "neutral"
 
 # The bookkeeping alone, for planning without bytes (admission simulation, tests).
-for _kind, _cls in (
-    (KIND_SINGLE, SingleCache),
-    (KIND_BATCHED_CELL, CellCache),
-    (KIND_BATCHED_SEQUENCE, BatchedSequenceCache),
-):
-    CACHE_FACTORY.register(NEUTRAL_BACKEND, _kind, _cls)
+CACHE_FACTORY.register_backend(NEUTRAL_BACKEND, SingleCache, CellCache, BatchedSequenceCache)
 
 __all__ = [name for name in dir() if not name.startswith("_")]

@@ -37,6 +37,13 @@ class CacheFactory:
                 )
             self._builders[(backend_id, kind)] = builder
 
+    def register_backend(
+        self, backend_id: str, single: Builder, batched_cell: Builder, batched_sequence: Builder
+    ) -> None:
+        """Register a backend's builder for each of the three kinds."""
+        for kind, builder in zip(KINDS, (single, batched_cell, batched_sequence)):
+            self.register(backend_id, kind, builder)
+
     def kinds(self, backend_id: str) -> tuple[str, ...]:
         with self._lock:
             return tuple(sorted(k for b, k in self._builders if b == backend_id))

@@ -5,12 +5,7 @@ K/V are stored in the config's ``kv_dtype``; attention computes in fp32.
 """
 from . import blas  # noqa: F401  (first: it must load the BLAS before mlx.core)
 
-from mlx_pte.runtime.cache import (
-    CACHE_FACTORY,
-    KIND_BATCHED_CELL,
-    KIND_BATCHED_SEQUENCE,
-    KIND_SINGLE,
-)
+from mlx_pte.runtime.cache import CACHE_FACTORY
 
 from .attention import attend
 from .cells import MLXCellCache
@@ -20,12 +15,7 @@ from .sequence import MLXBatchedSequenceCache, MLXSingleCache
 
 BACKEND_ID = "mlx"
 
-for _kind, _cls in (
-    (KIND_SINGLE, MLXSingleCache),
-    (KIND_BATCHED_CELL, MLXCellCache),
-    (KIND_BATCHED_SEQUENCE, MLXBatchedSequenceCache),
-):
-    CACHE_FACTORY.register(BACKEND_ID, _kind, _cls)
+CACHE_FACTORY.register_backend(BACKEND_ID, MLXSingleCache, MLXCellCache, MLXBatchedSequenceCache)
 
 __all__ = [
     "BACKEND_ID",
