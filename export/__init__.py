@@ -1,6 +1,5 @@
 """The torch side: the custom op, the HF adapter, lowering to the IR, the ExecuTorch backend."""
-from importlib import import_module
-from typing import Any
+from mlx_pte import lazy_exports
 
 _EXPORTS = {
     "export_hf": ".hf_export",
@@ -11,8 +10,4 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(import_module(_EXPORTS[name], __name__), name)
+__getattr__ = lazy_exports(__name__, _EXPORTS)

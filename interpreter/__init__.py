@@ -3,8 +3,7 @@
 Names are resolved lazily so importing a light submodule (e.g. the server's request
 parsing) does not load MLX.
 """
-from importlib import import_module
-from typing import Any
+from mlx_pte import lazy_exports
 
 _EXPORTS = {
     "load": ".program",
@@ -19,8 +18,4 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(import_module(_EXPORTS[name], __name__), name)
+__getattr__ = lazy_exports(__name__, _EXPORTS)
