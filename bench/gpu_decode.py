@@ -216,6 +216,9 @@ def main() -> None:
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="also print cProfile's top N entries of one mlx-pte generate")
     parser.add_argument("--skip", action="append", default=[], choices=["mlx-pte", "mlx-lm", "hf"])
+    parser.add_argument("--batches", metavar="B,B,...",
+                        help="instead: aggregate decode of B concurrent requests, batched-sequence vs mlx-lm's "
+                             "BatchGenerator (bench/batched.py on the same .pte and checkpoint)")
     args = parser.parse_args()
 
     args.work.mkdir(parents=True, exist_ok=True)
@@ -228,6 +231,14 @@ def main() -> None:
     import mlx_pte.runtime.mlx.blas  # noqa: F401  (before mlx.core; a missing OpenBLAS only warns)
     import mlx.core as mx
 
+    if args.batches:
+        import batched  # bench/batched.py, beside this script
+
+        batched.run(argparse.Namespace(
+            model_dir=model_dir, pte=pte, dtype="bfloat16", kinds="batched-sequence", batches=args.batches,
+            prompt=args.prompt, generate=args.generate, max_step=None, repeat=1,
+        ))
+        return
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     prompt = np.random.default_rng(0).integers(0, vocab, args.prompt).tolist()
     engines = {"mlx-pte": lambda: bench_mlx_pte(pte, prompt, args.generate, args.capacity),
