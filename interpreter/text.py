@@ -7,11 +7,13 @@ from typing import Optional, Sequence
 
 from tokenizers import Tokenizer
 
+from mlx_pte.ir.errors import FormatError
 from mlx_pte.ir.manifest import Manifest
 
 from .chat_template import ChatTemplate, ChatTemplateError
 
-__all__ = ["ChatTemplateError", "IncrementalDecoder", "TextCodec", "TokenizerError", "TokenizerMissing"]
+__all__ = ["ChatTemplateError", "IncrementalDecoder", "TextCodec", "TokenizerError", "TokenizerMissing",
+           "check_manifest_text"]
 
 
 class TokenizerMissing(ValueError):
@@ -86,6 +88,22 @@ def build_tokenizer(tokenizer_json: str) -> Tokenizer:
     except Exception as exc:  # tokenizers raises plain Exception for a malformed file
         first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise TokenizerError(f"the manifest's tokenizer does not build: {first_line}") from None
+
+
+def check_manifest_text(manifest: Manifest) -> None:
+    """Build the manifest's tokenizer and compile its chat template now (both are cached for the
+    codecs made later), so a broken one is refused at load rather than at the first request.
+
+    Raises:
+        FormatError: naming the field and what is wrong with it.
+    """
+    try:
+        if manifest.tokenizer:
+            build_tokenizer(manifest.tokenizer)
+        if manifest.chat_template:
+            ChatTemplate(manifest.chat_template)
+    except (TokenizerError, ChatTemplateError) as exc:
+        raise FormatError(str(exc)) from None
 
 
 @dataclass
