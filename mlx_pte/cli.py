@@ -83,8 +83,8 @@ def _check_text_arguments(args: argparse.Namespace) -> None:
         try:
             value is None or value.encode("utf-8")
         except UnicodeEncodeError:
-            shown = value.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
-            raise ValueError(f"--{name} {shown!r} is not valid UTF-8 text") from None
+            raw = value.encode("utf-8", "surrogateescape")[:40]
+            raise ValueError(f"--{name} is not valid UTF-8 text (it starts {raw!r}); pass UTF-8") from None
 
 
 def build_parser() -> argparse.ArgumentParser:

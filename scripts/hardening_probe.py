@@ -1,6 +1,6 @@
 """Hostile-input probe of the CLI, crafted .pte files and exports (issue 12's closing table).
 
-Run with the Python of the checkout to measure (``.venv/bin/python scripts/hardening_probe.py WORKDIR``).
+Run from the checkout to measure: ``PYTHONPATH=. .venv/bin/python scripts/hardening_probe.py WORKDIR``.
 Each case runs ``python -m mlx_pte ...`` in a subprocess and is classified:
 clear = exit status 1 (or a documented quiet status) with one ``error:`` line and no traceback;
 ok = the expected success; crash = a traceback or any other output shape; hang = past the time limit.
@@ -21,7 +21,7 @@ from pathlib import Path
 TIMEOUT = 60
 
 
-def cli(*args: str, stdin=None, timeout: float = TIMEOUT, cwd=None, env=None, shell: str | None = None):
+def cli(*args: str | bytes, stdin=None, timeout: float = TIMEOUT, cwd=None, env=None, shell: str | None = None):
     cmd = shell if shell else [sys.executable, "-m", "mlx_pte", *args]
     try:
         done = subprocess.run(cmd, capture_output=True, timeout=timeout, cwd=cwd, env=env, shell=bool(shell),
@@ -58,65 +58,21 @@ def build_base(work: Path) -> Path:
     return pte
 
 
-def write_pte(path: Path, blob: bytes) -> None:
-    """A .pte whose MLXBackend delegate is ``blob`` (built through ExecuTorch)."""
-    import gc
-
-    import torch
-    from executorch.exir import to_edge_transform_and_lower
-    from executorch.exir.backend.backend_details import BackendDetails, PreprocessResult
-    from executorch.exir.backend.partitioner import DelegationSpec, Partitioner, PartitionResult
-
-    class MLXBackend(BackendDetails):
-        @staticmethod
-        def preprocess(edge_program, compile_specs):
-            return PreprocessResult(processed_bytes=blob)
-
-    class Whole(Partitioner):
-        def __init__(self):
-            super().__init__()
-            self.delegation_spec = DelegationSpec("MLXBackend", [])
-
-        def partition(self, ep):
-            for node in ep.graph_module.graph.nodes:
-                if node.op == "call_function":
-                    node.meta["delegation_tag"] = "mlx"
-            return PartitionResult(tagged_exported_program=ep, partition_tags={"mlx": self.delegation_spec})
-
-    class Tiny(torch.nn.Module):
-        def forward(self, x):
-            return x * 2.0
-
-    edge = to_edge_transform_and_lower(torch.export.export(Tiny(), (torch.ones(2),)), partitioner=[Whole()])
-    path.write_bytes(edge.to_executorch().buffer)
-    del MLXBackend, edge
-    gc.collect()
-
-
 def craft(base: Path, out: Path, manifest_edit=None, graph_edit=None) -> Path:
     """``base`` with its manifest and/or graph altered, the CRC recomputed (validation bypassed)."""
     import dataclasses
 
-    import mlx_pte.ir.payload as payload_mod
     from mlx_pte.ir.pte import read_pte
+    from tests.fixtures.crafted_pte import craft_payload, write_pte
 
     p = read_pte(base)
     manifest = dict(p.manifest)
-    graph = p.graph
+    graph = dataclasses.replace(p.graph, instructions=list(p.graph.instructions))
     if manifest_edit:
         manifest_edit(manifest)
     if graph_edit:
-        graph = dataclasses.replace(graph, instructions=list(graph.instructions))
         graph_edit(graph)
-    constants = {s: bytes(p.constant_bytes(s)) for s in p.constants}
-    saved = payload_mod.check_graph
-    payload_mod.check_graph = lambda g: None  # craft what a hostile writer would
-    try:
-        blob = payload_mod.encode_payload(graph, constants, manifest)
-    finally:
-        payload_mod.check_graph = saved
-    write_pte(out, blob)
-    return out
+    return write_pte(out, craft_payload(p, graph=graph, manifest=manifest))
 
 
 def set_attr(op: str, name: str, value):
@@ -187,7 +143,7 @@ def main() -> None:
     record("cli", "run --max-new-tokens 0", classify(cli("run", str(base), "--prompt", "hi", "--max-new-tokens", "0")))
     record("cli", "run --max-new-tokens -1", classify(cli("run", str(base), "--prompt", "hi", "--max-new-tokens", "-1")))
     record("cli", "run --prompt <non-UTF-8 bytes>",
-           classify(cli(shell=f"{sys.executable} -m mlx_pte run {base} --max-new-tokens 2 --prompt $(printf '\\xff\\xfe')")))
+           classify(cli("run", str(base), "--max-new-tokens", "2", "--prompt", b"\xff\xfe")))
     jsonl = work / "prompts.jsonl"
     jsonl.write_text('{"prompt": "\\ud800"}\n')
     record("cli", 'run --prompts JSONL with "\\ud800"', classify(cli("run", str(base), "--prompts", str(jsonl))))
