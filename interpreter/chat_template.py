@@ -227,6 +227,8 @@ def _compile(source: str) -> jinja2.Template:
     try:
         return _ENV.from_string(source)
     except jinja2.TemplateSyntaxError as exc:
-        raise ChatTemplateError(f"the model's chat template does not compile: {exc.message} (line {exc.lineno})") from None
+        raise ChatTemplateError(
+            f"the model's chat template does not compile: {exc.message} (line {exc.lineno})"
+        ) from None
     except Exception as exc:
         raise ChatTemplateError(f"the model's chat template does not compile: {type(exc).__name__}: {exc}") from None

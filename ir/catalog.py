@@ -2,9 +2,10 @@
 instructions) and the interpreter (which runs them).
 
 An entry states the op's operands (in order; optional ones may be omitted as None), its
-attributes with their kinds, how many results it produces, and its output rule (the
-result's dtype and shape in terms of the operands), so a payload can be validated
-structurally before anything runs.
+attributes with their kinds and rules (``RULES``: e.g. an axis of the operand, a
+permutation, sizes that match the declared result), how many results it produces, and
+its output rule (the result's dtype and shape in terms of the operands), so a payload
+can be validated structurally before anything runs.
 
 Conventions every entry follows (the lowering guarantees them, so handlers need not
 promote): operands of elementwise ops already share the result's dtype (the lowering
@@ -130,7 +131,8 @@ def _check_attr(where: str, spec: AttrSpec, value: object, graph: Graph) -> None
         expected = f"one of {', '.join(DTYPES)}" if spec.kind == "dtype" else spec.kind
         raise FormatError(f"{where}: attribute {spec.name!r} must be {expected}, got {value!r}")
     if spec.choices and value not in spec.choices:
-        raise FormatError(f"{where}: attribute {spec.name!r} must be one of {', '.join(spec.choices)}, got {value!r}")
+        choices = ", ".join(spec.choices)
+        raise FormatError(f"{where}: attribute {spec.name!r} must be one of {choices}, got {value!r}")
 
 
 # -- attribute rules: what a value must satisfy given the operands' and results' types --
@@ -170,7 +172,7 @@ def _literals(value: object) -> list[int]:
 
 def _matches_result(value: tuple, shapes: _Shapes, keep: bool = False) -> Optional[str]:
     """``value`` (a shape attribute) has the result's rank and its static sizes; with ``keep``,
-    -1 stands for "the operand's size" and is not compared."""
+    -1 (view: the inferred size; expand: the operand's size) is not compared."""
     result = shapes.result
     if result is None or len(value) != len(result):
         return f"has {len(value)} entries, the result has rank {len(result or ())}"
@@ -300,7 +302,8 @@ REDUCTIONS = ("sum", "mean", "amax", "amin")
 
 for _name in ELEMENTWISE_UNARY:
     define(OpSpec(_name, ("x",)))
-define(OpSpec("gelu", ("x",), (AttrSpec("approximate", "str", choices=("none", "tanh")),), output_rule="like x; approximate 'none' (erf) or 'tanh'"))
+define(OpSpec("gelu", ("x",), (AttrSpec("approximate", "str", choices=("none", "tanh")),),
+              output_rule="like x; approximate 'none' (erf) or 'tanh'"))
 define(OpSpec("clamp", ("x",), _attrs(("min", "float", False), ("max", "float", False))))
 for _name in ELEMENTWISE_BINARY:
     define(OpSpec(_name, ("a", "b"), output_rule="broadcast shape of a and b, dtype of a"))
@@ -386,7 +389,8 @@ define(
 )
 
 # Layout. Shapes may hold SlotRefs; view takes one -1, expand takes -1 for "keep".
-define(OpSpec("view", ("x",), _attrs(("shape", "ints_or_refs", True, "view_shape")), output_rule="x's elements in the given shape"))
+define(OpSpec("view", ("x",), _attrs(("shape", "ints_or_refs", True, "view_shape")),
+              output_rule="x's elements in the given shape"))
 define(OpSpec("permute", ("x",), _attrs(("dims", "ints", True, "permutation")), output_rule="x's axes reordered"))
 define(
     OpSpec(
@@ -415,8 +419,10 @@ define(
         output_rule="x[index] along dim, dim removed (a negative index counts from the end)",
     )
 )
-define(OpSpec("unsqueeze", ("x",), _attrs(("dim", "int", True, "new_axis")), output_rule="x with a size-1 axis inserted at dim"))
-define(OpSpec("squeeze", ("x",), _attrs(("dims", "ints", True, "squeeze_axes")), output_rule="x without those of dims that have size 1"))
+define(OpSpec("unsqueeze", ("x",), _attrs(("dim", "int", True, "new_axis")),
+              output_rule="x with a size-1 axis inserted at dim"))
+define(OpSpec("squeeze", ("x",), _attrs(("dims", "ints", True, "squeeze_axes")),
+              output_rule="x without those of dims that have size 1"))
 define(
     OpSpec(
         "expand",
@@ -433,7 +439,8 @@ define(
         output_rule="x repeated reps[i] times along axis i; leading size-1 axes are added when reps is longer",
     )
 )
-define(OpSpec("cat", ("tensors*",), _attrs(("dim", "int", True, "cat_axis")), output_rule="the operands joined along dim"))
+define(OpSpec("cat", ("tensors*",), _attrs(("dim", "int", True, "cat_axis")),
+              output_rule="the operands joined along dim"))
 define(
     OpSpec(
         "split",
