@@ -10,6 +10,8 @@ from typing import Any, Mapping, Optional
 from .errors import FormatError
 
 MANIFEST_VERSION = 1
+# The dtypes a model is exported in (weights, activations, and the KV cache by default).
+MODEL_DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
@@ -74,9 +76,12 @@ class Manifest:
         for name, value in [*token_ids.items(), *((f"eos_token_ids[{i}]", v) for i, v in enumerate(eos))]:
             if value is not None and not (_is_int(value) and 0 <= value < vocab_size):
                 raise FormatError(f"the manifest's {name} must be a token id below {vocab_size}, got {value!r}")
+        dtype = _field(d, "dtype", str)
+        if dtype not in MODEL_DTYPES:
+            raise FormatError(f"the manifest's dtype must be one of {', '.join(MODEL_DTYPES)}, got {dtype!r}")
         return cls(
             config=dict(_field(d, "config", dict)),
-            dtype=_field(d, "dtype", str),
+            dtype=dtype,
             vocab_size=vocab_size,
             cache=tuple(layers),
             max_step=_count(d, "max_step", 1),

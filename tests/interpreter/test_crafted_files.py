@@ -139,6 +139,7 @@ def test_impossible_attributes_are_one_format_error_naming_the_instruction(base,
     ("eos_token_ids", [True], r"eos_token_ids\[0\] must be a token id"),
     ("vocab_size", -5, "vocab_size must be an integer >= 1"),
     ("cache", "flat", "cache must be a list"),
+    ("dtype", "", "dtype must be one of float32"),
 ])  # fmt: skip
 def test_a_bad_manifest_field_is_one_format_error_at_load(base, field, value, says):
     blob = craft_payload(base, manifest={**base.manifest, field: value})
