@@ -2,13 +2,13 @@
 made by ``encode_payload``, shared by the pte, fuzz and CLI tests."""
 from __future__ import annotations
 
-import gc
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from mlx_pte.ir.payload import encode_payload
+from tests.fixtures.crafted_pte import write_pte
 
 from .sample import Sample, sample
 
@@ -21,56 +21,14 @@ class PteFile:
     sample: Sample
 
 
-def _export(tmp: Path, extract_segments: bool) -> tuple[Path, list[bytes]]:
-    import torch
-    from executorch.exir import ExecutorchBackendConfig, to_edge_transform_and_lower
-    from executorch.exir.backend.backend_details import BackendDetails, PreprocessResult
-    from executorch.exir.backend.partitioner import DelegationSpec, Partitioner, PartitionResult
-
-    made: list[bytes] = []
-    s = sample()
-
-    # ExecuTorch looks backends up by class name; defined here, this class is the
-    # newest "MLXBackend" subclass while the export runs, and is dropped afterwards.
-    class MLXBackend(BackendDetails):
-        @staticmethod
-        def preprocess(edge_program, compile_specs) -> PreprocessResult:
-            blob = encode_payload(s.graph, s.constants, s.manifest)
-            made.append(blob)
-            return PreprocessResult(processed_bytes=blob)
-
-    class WholeGraph(Partitioner):
-        def __init__(self):
-            super().__init__()
-            self.delegation_spec = DelegationSpec("MLXBackend", [])
-
-        def partition(self, ep) -> PartitionResult:
-            for node in ep.graph_module.graph.nodes:
-                if node.op == "call_function":
-                    node.meta["delegation_tag"] = "mlx"
-            return PartitionResult(tagged_exported_program=ep, partition_tags={"mlx": self.delegation_spec})
-
-    class Tiny(torch.nn.Module):
-        def forward(self, x):
-            return x * 2.0 + 1.0
-
-    ep = torch.export.export(Tiny(), (torch.ones(2, 3),))
-    edge = to_edge_transform_and_lower(ep, partitioner=[WholeGraph()])
-    program = edge.to_executorch(ExecutorchBackendConfig(extract_delegate_segments=extract_segments))
-    path = tmp / f"tiny_{'segment' if extract_segments else 'inline'}.pte"
-    path.write_bytes(program.buffer)
-    del MLXBackend, edge, program
-    gc.collect()
-    return path, made
-
-
 @pytest.fixture(scope="session")
 def pte_files(tmp_path_factory) -> dict[str, PteFile]:
     """{"segment": ..., "inline": ...}: the delegate extracted to a segment, or inline."""
     tmp = tmp_path_factory.mktemp("pte")
     files = {}
     for name, extract in (("segment", True), ("inline", False)):
-        path, made = _export(tmp, extract)
-        assert len(made) == 1, "the test backend's preprocess did not run exactly once"
-        files[name] = PteFile(path, path.read_bytes(), made[0], sample())
+        s = sample()
+        blob = encode_payload(s.graph, s.constants, s.manifest)
+        path = write_pte(tmp / f"tiny_{name}.pte", blob, extract)
+        files[name] = PteFile(path, path.read_bytes(), blob, s)
     return files
