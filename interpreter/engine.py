@@ -31,6 +31,7 @@ import numpy as np
 from mlx_pte.runtime.cache import KIND_BATCHED_CELL, KIND_BATCHED_SEQUENCE, Step
 
 from .sampling import Sampler, SamplingParams
+from .stops import StopStringError, StopStrings, StopText
 from .text import IncrementalDecoder, TextCodec
 
 BATCHED_KINDS = (KIND_BATCHED_SEQUENCE, KIND_BATCHED_CELL)
@@ -269,40 +270,6 @@ class RequestHandle:
         self._notify(last)
 
 
-class StopText:
-    """Text released as it is generated, cut before the first stop string.
-
-    Holds back any tail that could still grow into a stop string, so streamed text
-    never shows part of one.
-    """
-
-    def __init__(self, stops: Sequence[str]) -> None:
-        self.stops = tuple(s for s in stops if s)
-        self.text = ""
-        self.released = 0
-        self.stopped = False
-
-    def push(self, piece: str) -> str:
-        """Add decoded text; return what is now safe to show."""
-        self.text += piece
-        # Released text ends before any partial stop string, so none starts earlier.
-        hits = [i for i in (self.text.find(s, self.released) for s in self.stops) if i >= 0]
-        if hits:
-            self.text = self.text[: min(hits)]
-            self.stopped = True
-            return self.flush()
-        hold = max((k for s in self.stops for k in range(1, len(s)) if self.text.endswith(s[:k])), default=0)
-        end = max(self.released, len(self.text) - hold)
-        out = self.text[self.released : end]
-        self.released = end
-        return out
-
-    def flush(self) -> str:
-        out = self.text[self.released :]
-        self.released = len(self.text)
-        return out
-
-
 @dataclass
 class _Sample:
     index: int
@@ -344,12 +311,29 @@ class _StepBuild:
     rows: list[tuple[int, _Job, Optional[_Sample]]] = field(default_factory=list)
     chunks: list[tuple[_Job, int]] = field(default_factory=list)  # prompt tokens per job
     jobs: dict[int, _Job] = field(default_factory=dict)  # every job in the step, by id
+    owners: list[int] = field(default_factory=list)  # each token's job id
 
     def add(self, job: _Job, seq_id: int, tokens: Sequence[int], start: int) -> None:
         self.tokens.extend(tokens)
         self.positions.extend(range(start, start + len(tokens)))
         self.seq_ids.extend([seq_id] * len(tokens))
+        self.owners.extend([job.handle.id] * len(tokens))
         self.jobs[job.handle.id] = job
+
+    def only(self, job: _Job) -> "_StepBuild":
+        """The part of this step that belongs to ``job`` (a valid step on its own: a
+        subset of each of its sequences' contiguous runs)."""
+        keep = [i for i, owner in enumerate(self.owners) if owner == job.handle.id]
+        row_of = {old: new for new, old in enumerate(keep)}
+        return _StepBuild(
+            tokens=[self.tokens[i] for i in keep],
+            positions=[self.positions[i] for i in keep],
+            seq_ids=[self.seq_ids[i] for i in keep],
+            rows=[(row_of[r], j, sample) for r, j, sample in self.rows if j is job],
+            chunks=[(j, count) for j, count in self.chunks if j is job],
+            jobs={job.handle.id: job},
+            owners=[job.handle.id] * len(keep),
+        )
 
     @property
     def prefill_tokens(self) -> int:
@@ -443,10 +427,14 @@ class Engine:
         """
         ids = self._prompt_ids(request)
         cap, units = self._limits(request, len(ids))
+        try:
+            stops = StopStrings.of(request.stop)
+        except StopStringError as exc:
+            raise EngineError(str(exc)) from None
         with self._wake:
             handle = RequestHandle(self._next_id, request, len(ids), on_event)
             self._next_id += 1
-            self._inbox.append(_Job(handle, ids, cap, units, self._new_samples(request)))
+            self._inbox.append(_Job(handle, ids, cap, units, self._new_samples(request, stops)))
             self._wake.notify()
         return handle
 
@@ -481,8 +469,6 @@ class Engine:
             raise EngineError(f"n must be a positive integer, got {n!r}")
         if isinstance(request.max_tokens, bool) or not isinstance(request.max_tokens, int) or request.max_tokens < 1:
             raise EngineError(f"max_tokens must be a positive integer, got {request.max_tokens!r}")
-        if isinstance(request.stop, str) or not all(isinstance(s, str) and s for s in request.stop):
-            raise EngineError(f"stop must be a tuple of non-empty strings, got {request.stop!r}")
         if request.stop and self.codec is None:
             raise EngineError("stop strings need the program's tokenizer; use stop_ids instead")
         if n > self.token_budget:
@@ -508,12 +494,12 @@ class Engine:
         final_len = min(prompt_len + request.max_tokens - 1, cap)
         return cap, footprint(self.kind, prompt_len, n, final_len)
 
-    def _new_samples(self, request: Request) -> list[_Sample]:
+    def _new_samples(self, request: Request, stops: StopStrings) -> list[_Sample]:
         return [
             _Sample(
                 index=i,
                 sampler=Sampler(_seeded(request.sampling, i)),
-                stop_text=StopText(request.stop),
+                stop_text=StopText(stops),
                 decoder=IncrementalDecoder(self.codec) if self.codec else None,
             )
             for i in range(request.n)
@@ -532,23 +518,50 @@ class Engine:
         build = self._build_step()
         if not build.tokens:
             return False
-        last = len(build.tokens) - 1
-        rows = [r for r, _, _ in build.rows] or [last]  # the program needs at least one row
-        t0 = time.perf_counter()
         try:
-            logits = self.session.forward(build.tokens, build.positions, build.seq_ids, rows)
-            logits_np = np.array(logits)
-        except Exception as exc:  # the step is aborted; fail only the requests in it
-            for job in build.jobs.values():
-                self._fail(job, f"the forward failed: {type(exc).__name__}: {exc}")
+            logits, seconds = self._forward(build)
+        except Exception as exc:  # the session aborted the step: the cache is as it was
+            self._retry_alone(build, exc)
             return True
-        self._account(build, time.perf_counter() - t0)
-        for k, (_, job, sample) in enumerate(build.rows):
-            if sample is None:
-                self._start_samples(job, logits_np[k])
-            else:
-                self._accept(job, sample, sample.sampler(logits_np[k]))
+        self._apply(build, logits, seconds)
         return True
+
+    def _forward(self, build: _StepBuild) -> tuple[np.ndarray, float]:
+        rows = [r for r, _, _ in build.rows] or [len(build.tokens) - 1]  # the program needs a row
+        t0 = time.perf_counter()
+        logits = self.session.forward(build.tokens, build.positions, build.seq_ids, rows)
+        return np.array(logits), time.perf_counter() - t0
+
+    def _retry_alone(self, build: _StepBuild, error: Exception) -> None:
+        """After a failed forward, run each request of the step alone: only those whose
+        own forward fails end, the others go on as if nothing happened."""
+        jobs = list(build.jobs.values())
+        if len(jobs) == 1:
+            self._fail(jobs[0], _forward_failure(error))
+            return
+        for job in jobs:
+            part = build.only(job)
+            try:
+                logits, seconds = self._forward(part)
+            except Exception as exc:
+                self._fail(job, _forward_failure(exc))
+                continue
+            self._apply(part, logits, seconds)
+
+    def _apply(self, build: _StepBuild, logits: np.ndarray, seconds: float) -> None:
+        """Account a finished forward, then sample each row. A failure while sampling,
+        detokenizing or checking stops ends that row's request only."""
+        self._account(build, seconds)
+        for k, (_, job, sample) in enumerate(build.rows):
+            if job.handle.status in FINISHED:
+                continue
+            try:
+                if sample is None:
+                    self._start_samples(job, logits[k])
+                else:
+                    self._accept(job, sample, sample.sampler(logits[k]))
+            except Exception as exc:
+                self._fail(job, f"the request failed after its forward: {type(exc).__name__}: {exc}")
 
     def run(self) -> None:
         """Iterate on the calling thread until every submitted request has ended."""
@@ -614,9 +627,12 @@ class Engine:
             self._waiting.remove(job)
             job.handle._close(Status.CANCELLED, Event(job.handle.id, 0, finish_reason="cancelled"))
         for job in [j for j in self._active if j.handle._cancelled.is_set()]:
-            for sample in job.samples:
-                if sample.finish_reason is None:
-                    self._finish(job, sample, "cancelled")
+            try:
+                for sample in job.samples:
+                    if sample.finish_reason is None:
+                        self._finish(job, sample, "cancelled")
+            except Exception as exc:
+                self._fail(job, f"cancelling the request failed: {type(exc).__name__}: {exc}")
 
     def _build_step(self) -> _StepBuild:
         build = _StepBuild()
@@ -752,6 +768,7 @@ class Engine:
                 self.cache.rewind(sample.seq_id, kept)
                 sample.length = kept
             self.cache.seq_rm(sample.seq_id)
+            sample.seq_id = None
         event = Event(job.handle.id, sample.index, text=tail, finish_reason=reason)
         if all(s.finish_reason is not None for s in job.samples):
             self._complete(job, event)
@@ -779,8 +796,9 @@ class Engine:
         if job.handle.status in FINISHED:
             return
         for sample in job.samples:
-            if sample.seq_id is not None and sample.finish_reason is None:
+            if sample.seq_id is not None:  # still in the cache, even if it failed while finishing
                 self.cache.seq_rm(sample.seq_id)
+                sample.seq_id = None
             sample.finish_reason = sample.finish_reason or "error"
         if job in self._waiting:
             self._waiting.remove(job)
@@ -792,6 +810,10 @@ class Engine:
             self._active.remove(job)
             self._reserved -= job.footprint
             self._slots -= len(job.samples)
+
+
+def _forward_failure(error: Exception) -> str:
+    return f"the forward failed: {type(error).__name__}: {error}"
 
 
 def _seeded(params: SamplingParams, index: int) -> SamplingParams:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import threading
 
 import pytest
-from hypothesis import given, settings, strategies as st
 
 from mlx_pte.interpreter.engine import (
     Engine,
@@ -17,7 +16,6 @@ from mlx_pte.interpreter.engine import (
     RequestFailed,
     RequestRejected,
     Status,
-    StopText,
 )
 from mlx_pte.interpreter.sampling import SamplingParams
 from mlx_pte.interpreter.text import TextCodec
@@ -228,53 +226,3 @@ def test_threaded_submits_and_cancel(program, oracle):
     finally:
         engine.stop(timeout=30)
     assert engine.cache.live_seqs() == ()
-
-
-def test_a_failed_forward_fails_its_requests_and_the_engine_goes_on(program, oracle, monkeypatch):
-    engine = Engine(program, "batched-sequence", capacity=300)
-    doomed = [engine.submit(Request(p, max_tokens=6, ignore_eos=True)) for p in PROMPTS[:2]]
-    engine.step()
-    real_run = program.run
-
-    def broken(*args, **kwargs):
-        monkeypatch.setattr(program, "run", real_run)
-        raise RuntimeError("device lost")
-
-    monkeypatch.setattr(program, "run", broken)
-    engine.step()
-    for handle in doomed:
-        assert handle.status == Status.FAILED and "device lost" in handle.error
-        assert list(handle.events(timeout=0))[-1].error == handle.error
-    assert engine.cache.live_seqs() == () and engine.cache.usage().logical_positions == 0
-    later = engine.submit(Request(PROMPTS[3], max_tokens=6, ignore_eos=True))
-    engine.run()
-    assert later.result(timeout=0).samples[0].tokens == oracle(PROMPTS[3], 6).tokens
-
-
-@settings(max_examples=200, deadline=None)
-@given(
-    pieces=st.lists(st.text(alphabet="ab\n", max_size=4), max_size=8),
-    stops=st.lists(st.text(alphabet="ab\n", min_size=1, max_size=3), max_size=2),
-)
-def test_stop_text_releases_exactly_the_text_before_the_first_stop(pieces, stops):
-    # Brute force: generation ends at the first piece after which some stop occurs; the
-    # text is cut at the earliest occurrence.
-    expected, stopped, text = None, False, ""
-    for piece in pieces:
-        text += piece
-        hits = [text.find(s) for s in stops if text.find(s) >= 0]
-        if hits:
-            expected, stopped = text[: min(hits)], True
-            break
-    if expected is None:
-        expected = text
-    stop_text = StopText(stops)
-    released = ""
-    for piece in pieces:
-        released += stop_text.push(piece)
-        assert expected.startswith(released)
-        if stop_text.stopped:
-            break
-    released += stop_text.flush()
-    assert released == expected
-    assert stop_text.stopped == stopped
