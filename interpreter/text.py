@@ -27,7 +27,9 @@ class TextCodec:
 
     def encode(self, text: str) -> list[int]:
         """Token ids as HF's tokenizer gives them (special tokens the template adds included)."""
-        return self._tokenizer.encode(text).ids
+        # encode_batch releases the GIL (encode does not), so a long prompt tokenized on a
+        # worker thread does not stall the server's event loop.
+        return self._tokenizer.encode_batch([text])[0].ids
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tokenizer.decode(list(ids), skip_special_tokens=True)
