@@ -11,6 +11,7 @@ Probes:
   greedy requests; did the three finish with the text they give alone?
 * ``long_stops``: four stop strings of 250,000 characters (``max_tokens`` 8), and the
   latency of a concurrent 4-token request against the same request alone.
+* ``stops_at_bound``: four stop strings of 1000 characters (the bound) against none, 64 tokens.
 * ``abandoned``: four non-streaming requests abandoned after 0.5 s, then the latency of a
   64-token request against the same request alone.
 * ``slow_clients``: half the request headers, and headers with half the body: seconds
@@ -90,6 +91,15 @@ def long_stops(url: str) -> dict:
         status, _, seconds = job.result()
     return {"long_stop_status": status, "long_stop_s": round(seconds, 2),
             "small_alone_s": round(alone, 2), "small_concurrent_s": round(concurrent[2], 2)}
+
+
+def stops_at_bound(url: str) -> dict:
+    """Four stop strings as long as the server allows (1000 characters) against none."""
+    body = {"prompt": "The for statement", "max_tokens": 64, "temperature": 0, "ignore_eos": True}
+    plain = completion(url, body)
+    stopped = completion(url, {**body, "stop": [c * 1000 for c in "abcd"]})
+    return {"no_stops_s": round(plain[2], 2), "stops_1000_chars_s": round(stopped[2], 2),
+            "same_text": plain[1] == stopped[1], "status": stopped[0]}
 
 
 def abandoned(url: str) -> dict:
@@ -257,7 +267,7 @@ def body_size(url: str, pid: int | None) -> dict:
     return out
 
 
-PROBES = {"poisoned": poisoned, "long_stops": long_stops, "abandoned": abandoned, "slow_clients": slow_clients,
+PROBES = {"poisoned": poisoned, "long_stops": long_stops, "stops_at_bound": stops_at_bound, "abandoned": abandoned, "slow_clients": slow_clients,
           "validation": validation, "body_size": body_size}
 
 
