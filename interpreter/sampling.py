@@ -11,13 +11,17 @@ from typing import Optional
 import numpy as np
 
 
+# Temperatures below this are greedy: dividing by them only amplifies rounding noise.
+GREEDY_TEMPERATURE = 1e-5
+
+
 class SamplingError(ValueError):
     """Sampling parameters that cannot be used."""
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """``temperature`` 0 is greedy; ``top_k`` 0 and ``top_p`` 1.0 disable those filters."""
+    """``temperature`` 0 (or below ``GREEDY_TEMPERATURE``) is greedy; ``top_k`` 0 and ``top_p`` 1.0 disable those filters."""
 
     temperature: float = 0.0
     top_k: int = 0
@@ -34,7 +38,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE
 
 
 class Sampler:
