@@ -730,7 +730,9 @@ class Engine:
         tokens = mx.array(build.prompt, dtype=mx.int64)
         if build.feeds:
             assert previous is not None  # a sample is fed only what the previous forward drew
-            fed = previous.ids if build.feeds == list(range(len(previous.draws))) else previous.ids[mx.array(build.feeds)]
+            fed = previous.ids
+            if build.feeds != list(range(len(previous.draws))):
+                fed = fed[mx.array(build.feeds)]
             tokens = mx.concatenate([fed.astype(mx.int64), tokens])
         rows = [r for r, _, _ in build.rows] or [build.size - 1]  # the program needs at least one row
         dispatched = time.perf_counter()
@@ -738,8 +740,7 @@ class Engine:
             logits = self.session.forward(tokens, build.positions, build.seq_ids, rows, evaluate=False)
             ids = self._sampling.draw(logits, [s.stream for _, s, _ in draws], draw_rows) if draws else None
         except Exception as exc:  # the step is aborted; fail only the requests in it
-            for job in build.jobs.values():
-                self._fail(job, f"the forward failed: {type(exc).__name__}: {exc}")
+            self._fail_step(build, exc)
             return None
         # A step that only prefills draws nothing; its logits stand for its work.
         mx.async_eval(ids if ids is not None else logits)
@@ -774,8 +775,7 @@ class Engine:
                 mx.eval(flight.logits)
             ids = flight.ids.tolist() if flight.ids is not None else []
         except Exception as exc:
-            for job in flight.build.jobs.values():
-                self._fail(job, f"the forward failed: {type(exc).__name__}: {exc}")
+            self._fail_step(flight.build, exc)
             return
         now = time.perf_counter()
         # The device runs steps in order: this one started when dispatched or when the
@@ -789,6 +789,10 @@ class Engine:
                 job.handle.status = Status.DECODING
                 job.handle.stats.first_token = now
             self._accept(job, sample, int(token), first_token=first)
+
+    def _fail_step(self, build: _StepBuild, exc: Exception) -> None:
+        for job in build.jobs.values():
+            self._fail(job, f"the forward failed: {type(exc).__name__}: {exc}")
 
     def _count(self, build: _StepBuild, seconds: float) -> None:
         st = self.stats
