@@ -94,7 +94,7 @@ def _thresholds(scaled: mx.array, params: list[SamplingParams]) -> Optional[mx.a
     """Per row, the smallest scaled logit top-k and top-p keep (``[S, 1]``), or None when
     no row filters. Only as many of the largest logits are sorted as the rows need."""
     vocab = scaled.shape[-1]
-    top_k = [min(p.top_k, vocab) for p in params]
+    top_k = [p.top_k if p.top_k < vocab else 0 for p in params]  # k >= V keeps every token
     top_p = [p.top_p for p in params]
     filtered = [k > 0 or q < 1.0 for k, q in zip(top_k, top_p)]
     if not any(filtered):
