@@ -1,7 +1,7 @@
-"""Choosing the next token from a row of logits: greedy, temperature, top-k, top-p.
+"""Sampling parameters, and the host reference sampler: greedy, temperature, top-k, top-p.
 
-Sampling runs on the host in numpy: the decode loop needs the token on the host anyway,
-and a seeded numpy generator makes runs reproducible per seed.
+Generation samples on the device (``device_sampling``); ``Sampler`` states the same
+distribution in numpy, one row at a time, and is what the device sampler is tested against.
 """
 from __future__ import annotations
 
@@ -55,6 +55,7 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
+
 
 
 def _real(value: object) -> bool:

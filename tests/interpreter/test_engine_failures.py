@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from mlx_pte.interpreter.engine import Engine, Request, Status
-from mlx_pte.interpreter.sampling import GREEDY_TEMPERATURE, Sampler, SamplingParams
+from mlx_pte.interpreter import device_sampling
+from mlx_pte.interpreter.sampling import GREEDY_TEMPERATURE, SamplingParams
 
 GOOD = ([17, 18, 19], [40, 41, 42, 43, 44], list(range(100, 140)))
 POISON = [7, 300, 9, 301]
@@ -79,16 +80,17 @@ def test_a_transient_forward_failure_fails_nobody(engine, program, oracle, monke
 
 @pytest.mark.parametrize("where", ["sampler", "stop check", "first token"])
 def test_a_failure_after_the_forward_fails_only_its_request(engine, oracle, monkeypatch, where):
-    real_call = Sampler.__call__
-    poisoned = Request(POISON, max_tokens=MAX_TOKENS, ignore_eos=True, sampling=SamplingParams(seed=99))
+    real_draw = device_sampling.draw
+    poisoned = Request(POISON, max_tokens=MAX_TOKENS, ignore_eos=True,
+                       sampling=SamplingParams(temperature=1.0, seed=99))
     tokens_seen = {"n": 0}
 
-    def sample(self, logits):
-        if self.params.seed == 99:
+    def draw(logits, streams, rows=None):
+        if any(s.params.seed == 99 for s in streams):
             tokens_seen["n"] += 1
-            if where == "first token" or tokens_seen["n"] == 3:
+            if where == "first token" or tokens_seen["n"] >= 3:
                 raise FloatingPointError("poisoned sampler")
-        return real_call(self, logits)
+        return real_draw(logits, streams, rows)
 
     if where == "stop check":
         from mlx_pte.interpreter import stops
@@ -103,7 +105,7 @@ def test_a_failure_after_the_forward_fails_only_its_request(engine, oracle, monk
         monkeypatch.setattr(stops.StopText, "push", push)
         poisoned = Request(POISON, max_tokens=MAX_TOKENS, ignore_eos=True, stop=("never appears",))
     else:
-        monkeypatch.setattr(Sampler, "__call__", sample)
+        monkeypatch.setattr(device_sampling, "draw", draw)
     good, bad = run_with(engine, poisoned)
     assert bad.status == Status.FAILED and "poisoned" in bad.error
     check_good(good, oracle)

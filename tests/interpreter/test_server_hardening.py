@@ -19,7 +19,7 @@ import pytest
 
 from mlx_pte.interpreter.engine import Engine
 from mlx_pte.interpreter.request_body import BodyLimits
-from mlx_pte.interpreter.sampling import Sampler
+from mlx_pte.interpreter import device_sampling
 from mlx_pte.interpreter.server import create_app
 from mlx_pte.interpreter.slow_clients import header_timeout_protocol
 from tests.interpreter.live_server import serving
@@ -89,14 +89,14 @@ def test_a_poisoned_request_among_three_streams_touches_none_of_them(live, oracl
     url, engine, _ = live
     expected = [oracle(b["prompt"], 24).text for b in GOOD]
     before = (engine.cache.usage().logical_positions, engine.cache.live_seqs())
-    real_call = Sampler.__call__
+    real_draw = device_sampling.draw
 
-    def sample(self, logits):  # a request whose sampling fails (seed 4242 marks it)
-        if self.params.seed == 4242:
+    def draw(logits, streams, rows=None):  # a request whose sampling fails (seed 4242 marks it)
+        if any(s.params.seed == 4242 for s in streams):
             raise FloatingPointError("poisoned sampler")
-        return real_call(self, logits)
+        return real_draw(logits, streams, rows)
 
-    monkeypatch.setattr(Sampler, "__call__", sample)
+    monkeypatch.setattr(device_sampling, "draw", draw)
     poisons = [  # the request (now greedy), and one whose sampling raises
         {"prompt": "Hello", "max_tokens": 4, "temperature": 1e-320},
         {"prompt": "Hello", "max_tokens": 4, "temperature": 1.0, "seed": 4242},
