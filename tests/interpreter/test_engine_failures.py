@@ -86,7 +86,7 @@ def test_a_failure_after_the_forward_fails_only_its_request(engine, oracle, monk
     def sample(self, logits):
         if self.params.seed == 99:
             tokens_seen["n"] += 1
-            if where == "first token" or tokens_seen["n"] == 3:
+            if where == "first token" or tokens_seen["n"] >= 3:
                 raise FloatingPointError("poisoned sampler")
         return real_call(self, logits)
 
