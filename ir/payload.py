@@ -1,4 +1,4 @@
-"""The MLXBackend delegate payload: one blob holding the graph, the manifest and every
+"""The MLXPteBackend delegate payload: one blob holding the graph, the manifest and every
 weight, so a single .pte file runs on its own.
 
 Layout (little-endian; offsets from the start of the payload)::

@@ -1,4 +1,8 @@
-"""Find the MLXBackend payload inside an ExecuTorch .pte file, without ExecuTorch.
+"""Find the MLX delegate's payload inside an ExecuTorch .pte file, without ExecuTorch.
+
+mlx-pte's delegate id is ``MLXPteBackend``; files written before it was named apart from
+upstream ExecuTorch's backend carry ``MLXBackend``, which is also upstream's id. A
+program has exactly one delegate with either id.
 
 A .pte is a FlatBuffer (schema ``executorch_flatbuffer.Program``, file identifier
 "ET12"). When the program has segments, an extended header follows the identifier
@@ -21,7 +25,9 @@ from mlx_pte.schemas.flatread import FlatBuffer, FlatBufferError, Table
 from .errors import FormatError
 from .payload import Payload, decode_payload
 
-BACKEND_ID = "MLXBackend"
+BACKEND_ID = "MLXPteBackend"
+LEGACY_BACKEND_ID = "MLXBackend"  # mlx-pte's files before the rename, and upstream's
+DELEGATE_IDS = (BACKEND_ID, LEGACY_BACKEND_ID)
 PROGRAM_IDENTIFIER = b"ET12"
 _EXTENDED_MAGIC = b"eh00"
 _EXTENDED = struct.Struct("<4sIQQ")  # magic, length, program size, segment base offset
@@ -46,11 +52,11 @@ class _Layout:
 
 
 def delegate_payload(pte: Union[bytes, memoryview]) -> memoryview:
-    """The processed bytes of the program's single MLXBackend delegate (no copy).
+    """The processed bytes of the program's single MLX delegate (no copy).
 
     Raises:
         FormatError: not an ExecuTorch program, truncated, malformed, or not exactly one
-            MLXBackend delegate.
+            delegate with an id of ``DELEGATE_IDS``.
     """
     view = memoryview(pte).cast("B")
     layout = _layout(view)
@@ -62,7 +68,7 @@ def delegate_payload(pte: Union[bytes, memoryview]) -> memoryview:
 
 
 def read_pte(path: Union[str, os.PathLike]) -> Payload:
-    """Map a .pte file and decode its MLXBackend payload; the weights stay in the mapping.
+    """Map a .pte file and decode its MLX delegate's payload; the weights stay in the mapping.
 
     Raises:
         FormatError (or a subclass): the message starts with the file's path.
@@ -111,38 +117,38 @@ def _find_payload(program: Table, view: memoryview, layout: _Layout) -> memoryvi
         delegate.table(_DELEGATE_PROCESSED, "processed")
         for plan in program.tables(_PROGRAM_EXECUTION_PLAN, "execution_plan")
         for delegate in plan.tables(_PLAN_DELEGATES, "delegates")
-        if delegate.string(_DELEGATE_ID, "id") == BACKEND_ID
+        if delegate.string(_DELEGATE_ID, "id") in DELEGATE_IDS
     ]
     if len(references) != 1:
         raise FormatError(
-            f"the program has {len(references)} {BACKEND_ID} delegates, mlx-pte needs exactly one "
-            "(was this file exported by mlx-pte?)"
+            f"the program has {len(references)} MLX delegates ({' or '.join(DELEGATE_IDS)}), "
+            "mlx-pte needs exactly one (was this file exported for MLX?)"
         )
     reference: Optional[Table] = references[0]
     if reference is None:
-        raise FormatError(f"the {BACKEND_ID} delegate has no data reference")
+        raise FormatError("the MLX delegate has no data reference")
     location = reference.scalar(_REFERENCE_LOCATION, "b", _INLINE, "location")
     index = reference.scalar(_REFERENCE_INDEX, "I", 0, "index")
     if location == _INLINE:
         blobs = program.tables(_PROGRAM_DELEGATE_DATA, "backend_delegate_data")
         if index >= len(blobs):
             raise FormatError(
-                f"the {BACKEND_ID} delegate refers to inline data {index}, which does not exist"
+                f"the MLX delegate refers to inline data {index}, which does not exist"
             )
         data = blobs[index].bytes(_INLINE_DATA, "data")
         if data is None:
-            raise FormatError(f"the {BACKEND_ID} delegate's inline data is empty")
+            raise FormatError("the MLX delegate's inline data is empty")
         return data
     if location != _SEGMENT:
-        raise FormatError(f"the {BACKEND_ID} delegate has unknown data location {location}")
+        raise FormatError(f"the MLX delegate has unknown data location {location}")
     segments = program.tables(_PROGRAM_SEGMENTS, "segments")
     if index >= len(segments) or not layout.segment_base:
-        raise FormatError(f"the {BACKEND_ID} delegate refers to segment {index}, which does not exist")
+        raise FormatError(f"the MLX delegate refers to segment {index}, which does not exist")
     start = layout.segment_base + segments[index].scalar(_SEGMENT_OFFSET, "Q", 0, "offset")
     end = start + segments[index].scalar(_SEGMENT_SIZE, "Q", 0, "size")
     if end > len(view):
         raise FormatError(
-            f"the file is truncated: the {BACKEND_ID} segment ends at byte {end}, "
+            f"the file is truncated: the MLX segment ends at byte {end}, "
             f"the file has {len(view)}"
         )
     return view[start:end]
