@@ -119,12 +119,21 @@ def read_pte(path: Union[str, os.PathLike]) -> Union[Payload, ImportedPayload]:
             raise FormatError(f"{os.fspath(path)}: the file is empty")
         mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     try:
-        contents = read_program(mapped)
-        if bytes(contents.payload[4:8]) == UPSTREAM_MAGIC:
-            return import_program(contents.payload, contents.named_data, contents.constant_methods)
-        return decode_payload(contents.payload)
+        return decode_program(mapped)
     except FormatError as exc:
         raise type(exc)(f"{os.fspath(path)}: {exc}") from None
+
+
+def decode_program(pte: Union[bytes, memoryview]) -> Union[Payload, ImportedPayload]:
+    """The program in a .pte's bytes: mlx-pte's payload decoded, or upstream's imported.
+
+    Raises:
+        FormatError (or a subclass): anything is wrong; nothing else.
+    """
+    contents = read_program(pte)
+    if bytes(contents.payload[4:8]) == UPSTREAM_MAGIC:
+        return import_program(contents.payload, contents.named_data, contents.constant_methods)
+    return decode_payload(contents.payload)
 
 
 def _layout(view: memoryview) -> _Layout:
