@@ -25,11 +25,14 @@ class ImportBuilder:
         graph: the graph to extend (inputs and constants already added).
         n_tensors: how many Tids the upstream graph declares.
         n_values: how many Vids it declares.
-        n_caches: how many caches its geometry publishes (``layer_id`` bound).
+        n_caches: how many caches its geometry publishes (``layer_id`` bound; None: unchecked,
+            the caller's cache decides).
         writable_from: the first Tid instructions may write (constants and inputs come first).
     """
 
-    def __init__(self, graph: Graph, n_tensors: int, n_values: int, n_caches: int, writable_from: int) -> None:
+    def __init__(
+        self, graph: Graph, n_tensors: int, n_values: int, n_caches: Optional[int], writable_from: int
+    ) -> None:
         self.graph = graph
         self._n_tensors, self._n_values, self._n_caches = n_tensors, n_values, n_caches
         self._writable_from = writable_from
@@ -128,7 +131,7 @@ class ImportBuilder:
             raise FormatError("a node's string attribute is not valid UTF-8") from None
 
     def cache_id(self, layer_id: Optional[int]) -> int:
-        if layer_id is None or not 0 <= layer_id < self._n_caches:
+        if layer_id is None or layer_id < 0 or (self._n_caches is not None and layer_id >= self._n_caches):
             raise FormatError(
                 f"UpdateAndAttendNode names cache {layer_id}; the program publishes {self._n_caches} caches"
             )

@@ -61,7 +61,7 @@ class _Geometry:
 def import_program(
     payload: memoryview, named_data: Mapping[str, memoryview], constant_methods: Mapping[str, Union[int, tuple]]
 ) -> ImportedPayload:
-    """Import the payload of an upstream MLX delegate.
+    """Import the payload of an upstream MLX delegate exported from an LLM.
 
     Raises:
         UnsupportedNodeError: node types without a translation (every one listed).
@@ -69,29 +69,18 @@ def import_program(
             signature other than an LLM forward's.
     """
     geometry = _geometry(constant_methods)
-    fb = decode_graph(payload)
-    meta = list(fb.tensorMeta or ())
-    counts = [fb.numConstantTensors, fb.numInputTensors, fb.numOutputTensors, fb.numMutableBufferTensors,
-              fb.numTempTensors]  # fmt: skip
-    if fb.numMutableBufferTensors:
-        raise FormatError(
-            "the upstream program keeps its KV cache in graph buffers; mlx-pte runs off-graph-cache "
-            "exports only (export_llm_hf --use-offgraph-cache)"
-        )
     graph = Graph()
     T = SymDim("T", 1, geometry.max_step)
     R = SymDim("R", 1, geometry.max_step)
     tokens = _add_input(graph, "tokens", (1, T))
     positions = _add_input(graph, "positions", (T,))
     rows = _add_input(graph, "rows", (R,))
-    builder = ImportBuilder(graph, sum(counts), fb.numValues, len(geometry.caches),
-                            fb.numConstantTensors + fb.numInputTensors)  # fmt: skip
-    weights = _bind_constants(graph, builder, fb, meta, named_data)
-    _bind_inputs(builder, fb, meta, tokens, positions)
+    fb, builder, weights = _start(graph, payload, named_data, len(geometry.caches))
+    meta = list(fb.tensorMeta or ())
+    _bind_llm_inputs(builder, fb, meta, tokens, positions)
     _translate(builder, fb)
-    vocab, dtype = _add_output(graph, builder, fb, meta, rows)
-    _drop_dead_code(graph)
-    check_graph(graph)
+    vocab, dtype = _add_logits_output(graph, builder, fb, meta, rows)
+    _finish(graph)
     manifest = Manifest(
         config={},
         dtype=dtype,
@@ -102,6 +91,48 @@ def import_program(
         extra={"source": SOURCE, "upstream_version": _text(fb.version)},
     )
     return ImportedPayload(graph, manifest.to_dict(), weights)
+
+
+def import_function(payload: memoryview, named_data: Mapping[str, memoryview]) -> ImportedPayload:
+    """Import any upstream MLX delegate with the delegate's own signature: its inputs and
+    outputs in the order its graph lists them (the delegate call's argument order, which
+    need not be the method's), dynamic dims with their recorded maxima, and an empty
+    manifest. Its ``update_and_attend`` calls run on whatever cache the caller passes to ``run``.
+
+    Raises:
+        UnsupportedNodeError, FormatError: as ``import_program``.
+    """
+    graph = Graph()
+    fb, builder, weights = _start(graph, payload, named_data, None)
+    meta = list(fb.tensorMeta or ())
+    for tid in _tensor_ids(fb.inputMap, "inputs"):
+        t = _tensor_type(meta, tid, "an input", dynamic=True)
+        builder.bind(tid, _add_input(graph, f"input{len(graph.inputs)}", t.shape, t.dtype))
+    _translate(builder, fb)
+    graph.outputs.extend(builder.slot_of(tid) for tid in _tensor_ids(fb.outputMap, "outputs"))
+    _finish(graph)
+    return ImportedPayload(graph, {}, weights)
+
+
+def _start(
+    graph: Graph, payload: memoryview, named_data: Mapping[str, memoryview], n_caches: Optional[int]
+) -> tuple[Any, ImportBuilder, dict[int, memoryview]]:
+    """Decode the payload; a builder over ``graph`` with every constant bound."""
+    fb = decode_graph(payload)
+    if fb.numMutableBufferTensors:
+        raise FormatError(
+            "the upstream program keeps its KV cache in graph buffers; mlx-pte runs off-graph-cache "
+            "exports only (export_llm_hf --use-offgraph-cache)"
+        )
+    counts = (fb.numConstantTensors, fb.numInputTensors, fb.numOutputTensors, fb.numTempTensors)
+    builder = ImportBuilder(graph, sum(counts), fb.numValues, n_caches, fb.numConstantTensors + fb.numInputTensors)
+    weights = _bind_constants(graph, builder, fb, list(fb.tensorMeta or ()), named_data)
+    return fb, builder, weights
+
+
+def _finish(graph: Graph) -> None:
+    _drop_dead_code(graph)
+    check_graph(graph)
 
 
 def _text(raw: Any) -> Optional[str]:
@@ -135,18 +166,25 @@ def _geometry(methods: Mapping[str, Union[int, tuple]]) -> _Geometry:
     return _Geometry(caches, scalars["get_prefill_chunk_size"], scalars["get_max_ctx_len"])
 
 
-def _add_input(graph: Graph, name: str, shape: tuple) -> int:
-    slot = graph.add_slot(name, SlotKind.INPUT, TensorType("int64", shape))
+def _add_input(graph: Graph, name: str, shape: tuple, dtype: str = "int64") -> int:
+    slot = graph.add_slot(name, SlotKind.INPUT, TensorType(dtype, shape))
     graph.inputs.append(slot)
     return slot
 
 
-def _tensor_type(meta: list, tid: int, what: str) -> TensorType:
-    """The recorded type of ``tid`` (dynamic dims unnamed: only static ones are kept)."""
+def _tensor_type(meta: list, tid: int, what: str, dynamic: bool = False) -> TensorType:
+    """The recorded type of ``tid``: a dynamic dim is -1, or with ``dynamic`` a SymDim up to
+    its recorded maximum (one symbol per tensor axis: the payload does not say which agree).
+    The recorded minimum is not kept: torch.export reports 2 for a dim declared from 1 (it
+    specializes sizes 0 and 1), and the dim runs at 1."""
     if not 0 <= tid < len(meta) or meta[tid] is None:
         raise FormatError(f"{what} (tensor {tid}) has no recorded type")
     m = meta[tid]
-    dims = tuple(d.value for d in m.shape or ())
+    dims = tuple(
+        SymDim(f"t{tid}_{axis}", 0, None if d.maxValue < 0 else d.maxValue)
+        if dynamic and d.value < 0 else d.value
+        for axis, d in enumerate(m.shape or ())
+    )  # fmt: skip
     return TensorType(ImportBuilder.dtype(m.scalarType), dims)
 
 
@@ -184,7 +222,7 @@ def _tensor_ids(slots: Any, what: str) -> list[int]:
     return ids
 
 
-def _bind_inputs(builder: ImportBuilder, fb: Any, meta: list, tokens: int, positions: int) -> None:
+def _bind_llm_inputs(builder: ImportBuilder, fb: Any, meta: list, tokens: int, positions: int) -> None:
     """input_ids ([1, T] ints) -> tokens, cache_position ([T] ints) -> positions."""
     ids = _tensor_ids(fb.inputMap, "inputs")
     ranks = {tid: len(_tensor_type(meta, tid, "an input").shape) for tid in ids}
@@ -232,7 +270,7 @@ def _translate(builder: ImportBuilder, fb: Any) -> None:
         translate(builder, node)
 
 
-def _add_output(graph: Graph, builder: ImportBuilder, fb: Any, meta: list, rows: int) -> tuple[int, str]:
+def _add_logits_output(graph: Graph, builder: ImportBuilder, fb: Any, meta: list, rows: int) -> tuple[int, str]:
     """The selected rows' logits, float32 [R, V]; returns (V, model dtype)."""
     ids = _tensor_ids(fb.outputMap, "outputs")
     if len(ids) != 1:

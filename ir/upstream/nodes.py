@@ -196,8 +196,11 @@ def _concatenate(b: ImportBuilder, n: Any) -> None:
 
 @translates("SplitNode")
 def _split(b: ImportBuilder, n: Any) -> None:
-    inputs = (b.read(n.x),)
-    b.emit("split", inputs, tuple(b.write(t) for t in n.outs or ()), sizes=b.ints_or_refs(n.sizes), dim=n.axis)
+    outputs = tuple(b.write(t) for t in n.outs or ())
+    sizes = b.ints_or_refs(n.sizes)
+    if len(sizes) == 1:  # torch.split(x, size): pieces of one size, the last one what remains
+        sizes *= len(outputs)
+    b.emit("split", (b.read(n.x),), outputs, sizes=sizes, dim=n.axis)
 
 
 _TAKE_LITERAL, _TAKE_VID, _TAKE_TID = 0, 1, 2
