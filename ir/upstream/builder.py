@@ -77,9 +77,12 @@ class ImportBuilder:
 
     def alias(self, out: Any, x: Any) -> None:
         """``out`` now holds ``x``'s value (a copy of an immutable array is the array)."""
-        slot = self.read(x)
-        self.write(out)
-        self._tensors[out.idx] = slot
+        self.assign(out, self.read(x))
+
+    def assign(self, tid: Any, slot: int) -> None:
+        """Tensor ``tid`` (one instructions may write) now holds ``slot``."""
+        self.write(tid)
+        self._tensors[tid.idx] = slot
 
     def value(self, vid: Any) -> SlotRef:
         if vid is None or vid.idx not in self._values:
@@ -140,6 +143,20 @@ class ImportBuilder:
     # -- emitting ---------------------------------------------------------------------
     def emit(self, op: str, inputs: tuple[Optional[int], ...], outputs: tuple[int, ...], **attrs: AttrValue) -> None:
         self.graph.instructions.append(Instruction(op, inputs, outputs, tuple(attrs.items())))
+
+    def constant_dtype(self, slot: int) -> Optional[str]:
+        """A constant slot's dtype; None for any other slot (temps carry no type)."""
+        return self.graph.slots[slot].type.dtype if slot in self._constants else None
+
+    def scaled(self, slot: int, factor: float, dtype: str) -> int:
+        """``slot * factor``, the factor made in ``dtype``."""
+        if factor == 1.0:
+            return slot
+        scalar = self.temp()
+        self.emit("full", (), (scalar,), shape=(), value=float(factor), dtype=dtype)
+        out = self.temp()
+        self.emit("mul", (slot, scalar), (out,))
+        return out
 
     def note_transpose(self, out: int, x: int, perm: tuple[int, ...]) -> None:
         if perm == (1, 0) and x in self._constants:

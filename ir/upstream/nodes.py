@@ -58,7 +58,7 @@ def _binary(op: str) -> Translation:
 
 def _reduction(op: str) -> Translation:
     def translate(b: ImportBuilder, n: Any) -> None:
-        if not n.axes:
+        if n.axes is None or len(n.axes) == 0:
             raise FormatError(f"a {op} over every axis (no axes given) is not supported")
         b.emit(op, (b.read(n.x),), (b.write(n.out),), dims=_ints(n.axes), keepdim=bool(n.keepdims))
 
@@ -126,18 +126,29 @@ def _layer_norm(b: ImportBuilder, n: Any) -> None:
 
 @translates("AddmmNode")
 def _addmm(b: ImportBuilder, n: Any) -> None:
-    if n.alpha != 1.0 or (n.bias is not None and n.beta != 1.0):
-        raise FormatError(f"AddmmNode with alpha {n.alpha} and beta {n.beta} is not supported (only 1 and 1)")
+    """alpha * (mat1 @ mat2) + beta * bias; a stored weight's transpose runs as ``linear``."""
     x, bias = b.read(n.mat1), b.read_optional(n.bias)
     weight = b.transposed_constant(n.mat2)
-    if weight is not None:  # x @ W.T of a stored weight: the catalog's linear (gemv for one row)
-        b.emit("linear", (x, weight, bias), (b.write(n.out),))
-    elif bias is None:
-        b.emit("matmul", (x, b.read(n.mat2)), (b.write(n.out),))
+    plain = n.alpha == 1.0 and (bias is None or n.beta == 1.0)
+    product = b.write(n.out) if plain and bias is None else b.temp()
+    if weight is not None:
+        b.emit("linear", (x, weight, bias if plain else None), (product,))
+        if plain:
+            return
     else:
-        product = b.temp()
         b.emit("matmul", (x, b.read(n.mat2)), (product,))
+    if plain:
         b.emit("add", (product, bias), (b.write(n.out),))
+        return
+    # Scalars need the operands' dtype, which the payload records only for constants.
+    dtype = b.constant_dtype(weight if weight is not None else b.read(n.mat2))
+    if dtype is None:
+        raise FormatError("AddmmNode with alpha or beta other than 1 is supported only on a stored weight")
+    scaled = b.scaled(product, n.alpha, dtype)
+    if bias is None:
+        b.assign(n.out, scaled)
+    else:
+        b.emit("add", (scaled, b.scaled(bias, n.beta, dtype)), (b.write(n.out),))
 
 
 @translates("TransposeNode")
@@ -170,7 +181,7 @@ def _expand_dims(b: ImportBuilder, n: Any) -> None:
 
 @translates("SqueezeNode")
 def _squeeze(b: ImportBuilder, n: Any) -> None:
-    if not n.dims:
+    if n.dims is None or len(n.dims) == 0:
         raise FormatError("a SqueezeNode without dims (squeeze every size-1 axis) is not supported")
     b.emit("squeeze", (b.read(n.x),), (b.write(n.out),), dims=_ints(n.dims))
 

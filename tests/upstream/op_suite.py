@@ -14,7 +14,7 @@ defaults are ``test_utils.TOLERANCE_PRESETS``'s fp32 row). Outcomes:
   the case, e.g. ``expected_mlx_segments != 1``), so no single payload computes it;
 - export error: upstream's own export of the case fails here.
 
-``python -m tests.upstream.op_suite [CLASS ...]`` prints the per-class table.
+``python -m tests.upstream.op_suite [--per-class N] [CLASS ...]`` prints the per-class table.
 """
 from __future__ import annotations
 
@@ -151,6 +151,8 @@ def run_case(base: str, case: Any, workdir: Path) -> CaseResult:
         return CaseResult(base, name, UNSUPPORTED, str(exc), tuple(sorted(exc.node_types)))
     except FormatError as exc:
         return CaseResult(base, name, FAILED, f"import: {exc}")
+    except Exception as exc:  # a bug in the importer: reported with the case, the suite goes on
+        return CaseResult(base, name, FAILED, f"import crashed: {type(exc).__name__}: {str(exc)[:200]}")
     try:
         actual = [_to_torch(a) for a in _run(program, case, tuple(test_inputs[i] for i in order))]
     except Exception as exc:  # a runtime failure of the interpreter is this case's failure
@@ -175,13 +177,14 @@ def _run(program: Program, case: Any, inputs: tuple) -> list[mx.array]:
     return outputs
 
 
-def run_suite(classes: Optional[Iterable[str]] = None) -> list[CaseResult]:
+def run_suite(classes: Optional[Iterable[str]] = None, per_class: Optional[int] = None) -> list[CaseResult]:
+    """Every case of ``classes`` (default: all registered), or the first ``per_class`` of each."""
     tests = registry()
     wanted = list(tests) if classes is None else list(classes)
     results = []
     with tempfile.TemporaryDirectory(prefix="mlx-op-suite-") as tmp:
         for base in wanted:
-            for case in cases(tests[base]):
+            for case in cases(tests[base])[:per_class]:
                 results.append(run_case(base, case, Path(tmp)))
     return results
 
@@ -204,7 +207,10 @@ def table(results: list[CaseResult]) -> str:
 
 
 if __name__ == "__main__":
-    suite = run_suite(sys.argv[1:] or None)
+    # python -m tests.upstream.op_suite [--per-class N] [CLASS ...]
+    argv = sys.argv[1:]
+    limit = int(argv[1]) if argv[:1] == ["--per-class"] else None
+    suite = run_suite(argv[2 if limit else 0 :] or None, per_class=limit)
     print(table(suite))
     for r in suite:
         if r.outcome == FAILED:
