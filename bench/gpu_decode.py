@@ -203,6 +203,30 @@ def bench_hf(model_dir: Path, prompt: list[int], n: int) -> tuple[float, float]:
     return run(prompt, n)
 
 
+def bench_hf_static(model_dir: Path, prompt: list[int], n: int) -> tuple[float, float]:
+    """HF ``generate`` with a static cache, which transformers compiles; decode rate from the
+    difference between an n-token and a 1-token generation (prefill is not separable)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.bfloat16, local_files_only=True
+    ).to("cuda").eval()
+    ids = torch.tensor([prompt], device="cuda")
+
+    def timed(count: int) -> float:
+        t0 = time.perf_counter()
+        model.generate(ids, max_new_tokens=count, min_new_tokens=count, do_sample=False,
+                       cache_implementation="static")
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    for count in (n, 1):  # warm-up: compiles both shapes
+        timed(count)
+    one, full = timed(1), timed(n)
+    return len(prompt) / one, (n - 1) / (full - one)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pte", type=Path, required=True, help=".pte or .pte.gz (all-zero weights do)")
@@ -215,7 +239,10 @@ def main() -> None:
     parser.add_argument("--capacity", type=int, default=1024, help="mlx-pte cache capacity")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="also print cProfile's top N entries of one mlx-pte generate")
-    parser.add_argument("--skip", action="append", default=[], choices=["mlx-pte", "mlx-lm", "hf"])
+    parser.add_argument("--skip", action="append", default=[], choices=["mlx-pte", "mlx-lm", "hf", "hf-static"])
+    parser.add_argument("--batches", metavar="B,B,...",
+                        help="instead: aggregate decode of B concurrent requests, batched-sequence vs mlx-lm's "
+                             "BatchGenerator (bench/batched.py on the same .pte and checkpoint)")
     args = parser.parse_args()
 
     args.work.mkdir(parents=True, exist_ok=True)
@@ -228,11 +255,20 @@ def main() -> None:
     import mlx_pte.runtime.mlx.blas  # noqa: F401  (before mlx.core; a missing OpenBLAS only warns)
     import mlx.core as mx
 
+    if args.batches:
+        import batched  # bench/batched.py, beside this script
+
+        batched.run(argparse.Namespace(
+            model_dir=model_dir, pte=pte, dtype="bfloat16", kinds="batched-sequence", batches=args.batches,
+            prompt=args.prompt, generate=args.generate, max_step=None, repeat=1,
+        ))
+        return
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     prompt = np.random.default_rng(0).integers(0, vocab, args.prompt).tolist()
     engines = {"mlx-pte": lambda: bench_mlx_pte(pte, prompt, args.generate, args.capacity),
                "mlx-lm": lambda: bench_mlx_lm(model_dir, prompt, args.generate),
-               "hf": lambda: bench_hf(model_dir, prompt, args.generate)}
+               "hf": lambda: bench_hf(model_dir, prompt, args.generate),
+               "hf-static": lambda: bench_hf_static(model_dir, prompt, args.generate)}
     rows = {}
     for name, bench in engines.items():
         if name not in args.skip:

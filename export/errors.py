@@ -23,3 +23,7 @@ class UnsupportedOpsError(ExportError):
             f"{sum(self.unsupported.values())} node(s) use ops the MLX backend cannot lower; "
             f"rewrite the module to avoid them (or add a lowering to export/op_lowerings.py):\n{listing}"
         )
+
+
+class OutputPathError(ExportError, ValueError):
+    """The output path cannot be written: a missing directory, or a directory where a file goes."""

@@ -12,7 +12,7 @@ from .hf_errors import ExportOptionError
 from .hf_geometry import cache_layout
 from .hf_wrapper import HFWrapper, check_max_step, trace
 from .manifest import build_manifest
-from .program import export_program
+from .program import export_program, output_path
 
 
 def export_hf(
@@ -26,7 +26,8 @@ def export_hf(
 
     Args:
         model_dir: a local checkpoint directory (config.json, *.safetensors, tokenizer.json).
-        out: the ``.pte`` path to write.
+        out: the ``.pte`` path to write; an existing directory (or a path ending in "/")
+            means ``<out>/<model_dir name>.pte``. Its directory must exist.
         dtype: weights and compute dtype: float32, bfloat16 or float16.
         max_step: the most tokens one forward takes (prefill chunk size).
         progress: show a progress bar on stderr.
@@ -35,8 +36,10 @@ def export_hf(
         The written path.
 
     Raises:
+        OutputPathError: the output's directory does not exist (checked before any work).
         HFExportError: an unusable checkpoint or option; the message says what to fix.
     """
+    out = output_path(out, f"{Path(model_dir).resolve().name}.pte")
     with tqdm(total=3, desc="export", unit="stage", file=sys.stderr, disable=not progress) as bar:
         bar.set_postfix_str("load")
         check_max_step(max_step)

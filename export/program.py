@@ -3,8 +3,8 @@ whose whole graph is delegated to the MLX backend.
 """
 from __future__ import annotations
 
+import glob
 import os
-import tempfile
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence, Union
 
@@ -13,6 +13,7 @@ from executorch.exir import EdgeCompileConfig, to_edge_transform_and_lower
 from torch.export import ExportedProgram
 
 from .backend import drop_preprocess_specs
+from .errors import OutputPathError
 from .lowering import dim_ranges
 from .partitioner import MLXPtePartitioner
 
@@ -22,7 +23,8 @@ PathLike = Union[str, "os.PathLike[str]"]
 def export_program(ep: ExportedProgram, out: PathLike, manifest: Optional[Mapping[str, Any]] = None) -> Path:
     """Lower ``ep`` to the MLX backend and write the ``.pte`` to ``out``.
 
-    The file is written atomically: on any failure nothing is left at ``out``.
+    The file is written atomically (see ``write_atomically``): on any failure nothing is left
+    at ``out``.
 
     Args:
         ep: an ATen-dialect program from ``torch.export.export``.
@@ -44,7 +46,7 @@ def export_program(ep: ExportedProgram, out: PathLike, manifest: Optional[Mappin
     )
     drop_preprocess_specs(edge.exported_program().graph_module)
     buffer = edge.to_executorch().buffer
-    return _write_atomically(Path(out), buffer)
+    return write_atomically(Path(out), buffer)
 
 
 def export_module(
@@ -70,14 +72,65 @@ def export_module(
     return export_program(ep, out, manifest)
 
 
-def _write_atomically(out: Path, data: bytes) -> Path:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
+# The temp file of an export in progress: beside the output, visible, tagged with the writer's pid.
+PARTIAL_SUFFIX = ".partial"
+
+
+def output_path(out: PathLike, default_name: str) -> Path:
+    """Where ``-o out`` writes: ``out``, or ``out/default_name`` when ``out`` is an existing
+    directory or ends with a path separator.
+
+    Raises:
+        OutputPathError: the directory to write in does not exist (nothing is created).
+    """
+    text = os.fspath(out)
+    path = Path(text)
+    if path.is_dir() or text.endswith((os.sep, "/")):
+        path = path / default_name
+    if not path.parent.is_dir():
+        raise OutputPathError(f"cannot write {path}: the directory {path.parent} does not exist; create it first")
+    return path
+
+
+def write_atomically(out: Path, data: bytes) -> Path:
+    """Write ``data`` to ``out`` through ``out.<pid>.partial`` and a rename, so ``out`` is the
+    old file or the whole new one, never a part. The file gets mode 0666 less the umask, as
+    any new file. Partial files of writers that no longer run (killed exports) are removed.
+
+    Raises:
+        OutputPathError: ``out`` is a directory, or its directory does not exist.
+    """
+    if out.is_dir():
+        raise OutputPathError(f"cannot write {out}: it is a directory; give a file name")
+    if not out.parent.is_dir():
+        raise OutputPathError(f"cannot write {out}: the directory {out.parent} does not exist; create it first")
+    _remove_stale_partials(out)
+    tmp = out.with_name(f"{out.name}.{os.getpid()}{PARTIAL_SUFFIX}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, out)
     except BaseException:
-        os.unlink(tmp)
+        tmp.unlink(missing_ok=True)
         raise
     return out
+
+
+def _remove_stale_partials(out: Path) -> None:
+    for partial in out.parent.glob(f"{glob.escape(out.name)}.*{PARTIAL_SUFFIX}"):
+        pid = partial.name[len(out.name) + 1 : -len(PARTIAL_SUFFIX)]
+        if pid.isdigit() and not _running(int(pid)):
+            partial.unlink(missing_ok=True)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True

@@ -20,6 +20,7 @@ from mlx_pte.ir.graph import Graph, SlotRef, SymDim, TensorType
 from mlx_pte.ir.payload import Payload
 from mlx_pte.ir.pte import read_pte
 from mlx_pte.ir.upstream.importer import ImportedPayload
+from mlx_pte.runtime.cache import CacheError
 
 from .handlers import HANDLERS, MX_DTYPES, Handler, RunContext
 from .tokenizer_dir import tokenizer_fields
@@ -42,10 +43,21 @@ class InputError(ValueError):
     """Inputs that do not match the program's signature; the message names the input."""
 
 
+class GraphRunError(FormatError):
+    """An instruction failed on inputs that fit the program's signature: the graph contradicts
+    itself (a damaged or hand-made file); the message names the instruction."""
+
+
+# What MLX and the handlers raise for operands and attributes that do not fit together.
+_OP_FAILURES = (ValueError, IndexError, TypeError, OverflowError, ZeroDivisionError)
+
+
 @dataclass(frozen=True)
 class _Step:
     """One instruction, resolved once at load: its handler and where its values live."""
 
+    index: int
+    op: str
     handler: Handler
     inputs: tuple[Optional[int], ...]
     outputs: tuple[int, ...]
@@ -55,13 +67,13 @@ class _Step:
 
 def _compile(graph: Graph) -> list[_Step]:
     steps = []
-    for instr in graph.instructions:
+    for index, instr in enumerate(graph.instructions):
         attrs = dict(instr.attrs)
         refs = tuple(
             (k, v) for k, v in attrs.items()
             if isinstance(v, SlotRef) or (isinstance(v, tuple) and any(isinstance(x, SlotRef) for x in v))
         )  # fmt: skip
-        steps.append(_Step(HANDLERS[instr.op], instr.inputs, instr.outputs, attrs, refs))
+        steps.append(_Step(index, instr.op, HANDLERS[instr.op], instr.inputs, instr.outputs, attrs, refs))
     return steps
 
 
@@ -143,6 +155,7 @@ class Program:
             InputError: wrong number of inputs, a dtype of another kind, a wrong rank
                 or size, a dynamic size outside its range or inconsistent across inputs.
             MissingCacheError: the graph attends and no cache was given.
+            GraphRunError: an instruction failed (the graph contradicts itself).
         """
         values = list(self._weight_slots)
         for slot, array in zip(self.graph.inputs, self._bind_inputs(inputs)):
@@ -153,7 +166,15 @@ class Program:
             if step.refs:
                 attrs = {**attrs, **{k: _resolve(v, values) for k, v in step.refs}}
             args = [None if s is None else values[s] for s in step.inputs]
-            result = step.handler(args, attrs, ctx)
+            try:
+                result = step.handler(args, attrs, ctx)
+            except CacheError:
+                raise
+            except _OP_FAILURES as exc:
+                raise GraphRunError(
+                    f"instruction {step.index} ({step.op!r}) failed: {exc} (the program's graph is inconsistent; "
+                    "export the model again)"
+                ) from None
             if len(step.outputs) == 1:
                 values[step.outputs[0]] = result
             else:

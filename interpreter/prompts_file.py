@@ -27,6 +27,8 @@ def read_prompts(path: Path, defaults: Mapping[str, Any]) -> list[tuple[int, dic
         lines = Path(path).read_text(encoding="utf-8").splitlines()
     except OSError as exc:
         raise PromptsFileError(f"cannot read {path}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise PromptsFileError(f"{path} is not UTF-8 text (byte {exc.start}); save it as UTF-8") from None
     numbered = [(i + 1, line) for i, line in enumerate(lines) if line.strip()]
     if not numbered:
         raise PromptsFileError(f"{path} holds no prompts")
@@ -39,6 +41,11 @@ def read_prompts(path: Path, defaults: Mapping[str, Any]) -> list[tuple[int, dic
         body = _as_object(line)
         if body is None:
             raise PromptsFileError(f"{path}:{number}: expected a JSON object (the file's first line is one)")
+        try:
+            json.dumps(body, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise PromptsFileError(f"{path}:{number}: the line holds a lone surrogate escape (such as "
+                                   "\\ud800), which is not text; fix the line") from None
         bodies.append((number, {**defaults, **body}))
     return bodies
 

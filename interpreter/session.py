@@ -13,6 +13,8 @@ import numpy as np
 import mlx_pte.runtime.mlx  # noqa: F401  (registers the "mlx" cache kinds; loads BLAS first)
 import mlx.core as mx
 
+from mlx_pte.ir.errors import FormatError
+from mlx_pte.ir.graph import Graph
 from mlx_pte.ir.manifest import Manifest
 from mlx_pte.runtime.cache import (
     CACHE_FACTORY,
@@ -23,6 +25,8 @@ from mlx_pte.runtime.cache import (
     LayerPolicy,
     Step,
 )
+
+from .text import check_manifest_text
 
 
 class SessionError(ValueError):
@@ -36,6 +40,17 @@ def cache_geometry(manifest: Manifest) -> CacheGeometry:
             for c in manifest.cache
         )
     )
+
+
+def check_cache_ids(graph: Graph, manifest: Manifest) -> None:
+    """Every attention instruction names a cache layer the manifest declares."""
+    for index, instr in enumerate(graph.instructions):
+        cache_id = instr.attr("cache_id")
+        if instr.op == "update_and_attend" and not 0 <= cache_id < len(manifest.cache):
+            raise FormatError(
+                f"instruction {index} ('update_and_attend'): attribute 'cache_id' = {cache_id} names no "
+                f"cache layer (the manifest declares {len(manifest.cache)})"
+            )
 
 
 def _int_array(name: str, values: Sequence[int] | np.ndarray) -> np.ndarray:
@@ -69,6 +84,8 @@ class Session:
     ) -> None:
         self.program = program
         self.manifest = Manifest.from_dict(program.manifest)
+        check_manifest_text(self.manifest)
+        check_cache_ids(program.graph, self.manifest)
         self.kind = kind
         config = CacheConfig(
             capacity=capacity if capacity is not None else self.manifest.max_context,

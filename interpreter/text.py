@@ -2,18 +2,37 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Optional, Sequence
 
 from tokenizers import Tokenizer
 
+from mlx_pte.ir.errors import FormatError
 from mlx_pte.ir.manifest import Manifest
+
+from .chat_template import ChatTemplate, ChatTemplateError
+
+__all__ = ["ChatTemplateError", "IncrementalDecoder", "TextCodec", "TokenizerError", "TokenizerMissing",
+           "check_manifest_text"]
 
 
 class TokenizerMissing(ValueError):
     """The program carries no tokenizer, so it takes token ids, not text."""
 
 
+class TokenizerError(ValueError):
+    """The manifest's tokenizer.json does not build a tokenizer."""
+
+
 class TextCodec:
+    """Encoding, decoding and chat rendering through a manifest's tokenizer and template.
+
+    Raises:
+        TokenizerMissing: the manifest has no tokenizer.
+        TokenizerError: the manifest's tokenizer JSON does not build a tokenizer.
+        ChatTemplateError: the manifest's chat template does not compile.
+    """
+
     def __init__(self, manifest: Manifest) -> None:
         if not manifest.tokenizer:
             raise TokenizerMissing(
@@ -21,10 +40,11 @@ class TextCodec:
                 "--tokenizer HF_DIR (load(path, tokenizer=HF_DIR)) naming the model's checkpoint "
                 "directory, or give token ids"
             )
-        self._tokenizer = Tokenizer.from_str(manifest.tokenizer)
-        self.chat_template = manifest.chat_template
+        self._tokenizer = build_tokenizer(manifest.tokenizer)
+        self.chat_template = ChatTemplate(manifest.chat_template) if manifest.chat_template else None
         self.bos_token_id = manifest.bos_token_id
         self.eos_token_ids = manifest.eos_token_ids
+        self.pad_token_id = manifest.pad_token_id
 
     def encode(self, text: str) -> list[int]:
         """Token ids as HF's tokenizer gives them (special tokens the template adds included)."""
@@ -34,23 +54,57 @@ class TextCodec:
         return self._tokenizer.decode(list(ids), skip_special_tokens=True)
 
     def render_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
-        """The prompt text for a chat, through the manifest's chat template."""
-        if not self.chat_template:
-            raise TokenizerMissing("this model has no chat template; send a plain completion prompt")
-        import jinja2  # only chat needs it
+        """The prompt text for a chat, through the manifest's chat template (sandboxed).
 
-        env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
-        template = env.from_string(self.chat_template)
+        Raises:
+            TokenizerMissing: the model has no chat template.
+            ChatTemplateError: the template failed or refused these messages.
+        """
+        if self.chat_template is None:
+            raise TokenizerMissing("this model has no chat template; send a plain completion prompt")
+        # The special tokens HF passes a template (its special_tokens_map), as far as the manifest has them.
         special = {
             "bos_token": self._token_text(self.bos_token_id),
             "eos_token": self._token_text(self.eos_token_ids[0] if self.eos_token_ids else None),
+            "pad_token": self._token_text(self.pad_token_id),
         }
-        return template.render(messages=list(messages), add_generation_prompt=add_generation_prompt, **special)
+        return self.chat_template.render(messages, add_generation_prompt=add_generation_prompt, **special)
 
     def _token_text(self, token_id: Optional[int]) -> str:
         if token_id is None:
             return ""
         return self._tokenizer.id_to_token(token_id) or ""
+
+
+@lru_cache(maxsize=8)
+def build_tokenizer(tokenizer_json: str) -> Tokenizer:
+    """The tokenizer of a manifest's tokenizer.json text, built once per text (building a real
+    tokenizer takes a noticeable fraction of a second; every codec of a program shares it).
+
+    Raises:
+        TokenizerError: the text is not a tokenizer.json the ``tokenizers`` library accepts.
+    """
+    try:
+        return Tokenizer.from_str(tokenizer_json)
+    except Exception as exc:  # tokenizers raises plain Exception for a malformed file
+        first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise TokenizerError(f"the manifest's tokenizer does not build: {first_line}") from None
+
+
+def check_manifest_text(manifest: Manifest) -> None:
+    """Build the manifest's tokenizer and compile its chat template now (both are cached for the
+    codecs made later), so a broken one is refused at load rather than at the first request.
+
+    Raises:
+        FormatError: naming the field and what is wrong with it.
+    """
+    try:
+        if manifest.tokenizer:
+            build_tokenizer(manifest.tokenizer)
+        if manifest.chat_template:
+            ChatTemplate(manifest.chat_template)
+    except (TokenizerError, ChatTemplateError) as exc:
+        raise FormatError(str(exc)) from None
 
 
 @dataclass

@@ -2,9 +2,10 @@
 instructions) and the interpreter (which runs them).
 
 An entry states the op's operands (in order; optional ones may be omitted as None), its
-attributes with their kinds, how many results it produces, and its output rule (the
-result's dtype and shape in terms of the operands), so a payload can be validated
-structurally before anything runs.
+attributes with their kinds and rules (``RULES``: e.g. an axis of the operand, a
+permutation, sizes that match the declared result), how many results it produces, and
+its output rule (the result's dtype and shape in terms of the operands), so a payload
+can be validated structurally before anything runs.
 
 Conventions every entry follows (the lowering guarantees them, so handlers need not
 promote): operands of elementwise ops already share the result's dtype (the lowering
@@ -14,10 +15,10 @@ slots (dynamic sizes) and ``-1`` where the op allows it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional, Sequence
 
 from .errors import FormatError, UnknownOpError
-from .graph import Graph, Instruction, ScalarType, SlotRef, TensorType
+from .graph import DTYPES, UNTYPED_TENSOR, Graph, Instruction, ScalarType, SlotRef, SymDim, TensorType
 
 # Attribute kinds and the Python values they accept.
 ATTR_KINDS = ("int", "float", "bool", "str", "dtype", "ints", "floats", "int_or_ref", "ints_or_refs")
@@ -25,9 +26,14 @@ ATTR_KINDS = ("int", "float", "bool", "str", "dtype", "ints", "floats", "int_or_
 
 @dataclass(frozen=True)
 class AttrSpec:
+    """An attribute: its kind, and optionally a ``rule`` (a name in ``RULES``) its value obeys
+    given the instruction's operands and results (e.g. "axis": an axis of the first operand)."""
+
     name: str
     kind: str
     required: bool = True
+    rule: Optional[str] = None
+    choices: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -51,9 +57,10 @@ class OpSpec:
     def variadic(self) -> bool:
         return len(self.operands) == 1 and self.operands[0].endswith("*")
 
-    def validate(self, instr: Instruction, graph: Graph) -> None:
-        """Raise FormatError if ``instr`` does not fit this op's signature."""
-        where = f"instruction {self.name!r}"
+    def validate(self, instr: Instruction, graph: Graph, index: Optional[int] = None) -> None:
+        """Raise FormatError if ``instr`` (``index`` in the graph, when given) does not fit this
+        op's signature and attribute rules."""
+        where = f"instruction {self.name!r}" if index is None else f"instruction {index} ({self.name!r})"
         if self.variadic:
             names = (self.operands[0],) * len(instr.inputs)
             if not instr.inputs:
@@ -85,6 +92,7 @@ class OpSpec:
                 raise FormatError(f"{where}: result slot {slot} must be a {result_type.__name__}")
         known = {a.name: a for a in self.attrs}
         given = dict(instr.attrs)
+        shapes = _Shapes(instr, graph)
         for name in given:
             if name not in known:
                 raise FormatError(f"{where}: unknown attribute {name!r}")
@@ -94,6 +102,8 @@ class OpSpec:
                     raise FormatError(f"{where}: attribute {spec.name!r} is missing")
                 continue
             _check_attr(where, spec, given[spec.name], graph)
+            if shapes.typed:
+                _check_rule(where, spec, given[spec.name], shapes)
 
 
 def _is_int(v: object) -> bool:
@@ -113,14 +123,143 @@ def _check_attr(where: str, spec: AttrSpec, value: object, graph: Graph) -> None
         "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
         "bool": lambda v: isinstance(v, bool),
         "str": lambda v: isinstance(v, str),
-        "dtype": lambda v: isinstance(v, str),
+        "dtype": lambda v: v in DTYPES,
         "ints": lambda v: isinstance(v, tuple) and all(_is_int(x) for x in v),
         "floats": lambda v: isinstance(v, tuple) and all(isinstance(x, (int, float)) for x in v),
         "int_or_ref": lambda v: _is_int(v) or ref_ok(v),
         "ints_or_refs": lambda v: isinstance(v, tuple) and all(_is_int(x) or ref_ok(x) for x in v),
     }[spec.kind]
     if not ok(value):
-        raise FormatError(f"{where}: attribute {spec.name!r} must be {spec.kind}, got {value!r}")
+        expected = f"one of {', '.join(DTYPES)}" if spec.kind == "dtype" else spec.kind
+        raise FormatError(f"{where}: attribute {spec.name!r} must be {expected}, got {value!r}")
+    if spec.choices and value not in spec.choices:
+        choices = ", ".join(spec.choices)
+        raise FormatError(f"{where}: attribute {spec.name!r} must be one of {choices}, got {value!r}")
+
+
+# -- attribute rules: what a value must satisfy given the operands' and results' types --
+
+
+@dataclass(frozen=True)
+class _Shapes:
+    """The declared shapes an instruction's rules read (operands in order, then results)."""
+
+    instr: Instruction
+    graph: Graph
+
+    def _shape(self, slot: Optional[int]) -> Optional[tuple]:
+        t = self.graph.slots[slot].type if slot is not None else None
+        return t.shape if isinstance(t, TensorType) else None
+
+    @property
+    def typed(self) -> bool:
+        """Whether every tensor the rules read records its shape. Temps of an imported upstream
+        program record none (``graph.UNTYPED_TENSOR``); their attributes meet the shapes when
+        the handlers run."""
+        slots = [s for s in (*self.instr.inputs, *self.instr.outputs) if s is not None]
+        return all(self.graph.slots[s].type != UNTYPED_TENSOR for s in slots)
+
+    @property
+    def rank(self) -> int:
+        """The first operand's rank (0 for an op without operands)."""
+        return len(self._shape(self.instr.inputs[0]) or ()) if self.instr.inputs else 0
+
+    @property
+    def result(self) -> Optional[tuple]:
+        """The first result's declared shape (None for a scalar result)."""
+        return self._shape(self.instr.outputs[0]) if self.instr.outputs else None
+
+
+def _axes(values: Sequence[int], bound: int, what: str) -> Optional[str]:
+    bad = [v for v in values if not 0 <= v < bound]
+    return f"{what} {bad[0]} is outside [0, {bound})" if bad else None
+
+
+def _literals(value: object) -> list[int]:
+    items = value if isinstance(value, tuple) else (value,)
+    return [v for v in items if _is_int(v)]
+
+
+def _matches_result(value: tuple, shapes: _Shapes, keep: bool = False) -> Optional[str]:
+    """``value`` (a shape attribute) has the result's rank and its static sizes; with ``keep``,
+    -1 (view: the inferred size; expand: the operand's size) is not compared."""
+    result = shapes.result
+    if result is None or len(value) != len(result):
+        return f"has {len(value)} entries, the result has rank {len(result or ())}"
+    for size, dim in zip(value, result):
+        if not _is_int(size) or (keep and size == -1):
+            continue
+        if isinstance(dim, SymDim):
+            if size < dim.min or (dim.max is not None and size > dim.max):
+                return f"size {size} is outside the result's range for {dim.name}"
+        elif size != dim:
+            return f"size {size} differs from the result's {dim}"
+    return None
+
+
+def _shape_rule(lowest: int, most_minus_one: Optional[int], match: bool, keep: bool = False) -> Callable:
+    def rule(value: tuple, shapes: _Shapes) -> Optional[str]:
+        low = [v for v in _literals(value) if v < lowest]
+        if low:
+            return f"size {low[0]} is negative" if lowest == 0 else f"size {low[0]} is below {lowest}"
+        if most_minus_one is not None and _literals(value).count(-1) > most_minus_one:
+            return "holds more than one -1"
+        return _matches_result(value, shapes, keep) if match else None
+
+    return rule
+
+
+def _permutation(value: tuple, shapes: _Shapes) -> Optional[str]:
+    if sorted(value) != list(range(shapes.rank)):
+        return f"is not a permutation of the {shapes.rank} axes of the operand"
+    return None
+
+
+def _sorted_axes(value: tuple, shapes: _Shapes) -> Optional[str]:
+    if list(value) != sorted(set(value)):
+        return "must list distinct axes in increasing order"
+    return _axes(value, shapes.rank, "axis")
+
+
+def _same_rank(value: int, shapes: _Shapes) -> Optional[str]:
+    ranks = {len(shapes._shape(s) or ()) for s in shapes.instr.inputs}
+    return _axes([value], shapes.rank, "axis") if len(ranks) == 1 else "joins operands of different ranks"
+
+
+def _tile_reps(value: tuple, shapes: _Shapes) -> Optional[str]:
+    low = [v for v in _literals(value) if v < 0]
+    if low:
+        return f"count {low[0]} is negative"
+    result = shapes.result
+    if result is not None and len(result) != max(len(value), shapes.rank):
+        return f"has {len(value)} entries for an operand of rank {shapes.rank} and a result of rank {len(result)}"
+    return None
+
+
+# rule name -> check(value, shapes) -> the problem, or None. Refs (dynamic sizes) are checked
+# when they are read at run time; these rules see the literal parts.
+RULES: dict[str, Callable[[object, _Shapes], Optional[str]]] = {
+    "axis": lambda v, s: _axes([v], s.rank, "axis"),  # an axis of the first operand
+    "new_axis": lambda v, s: _axes([v], s.rank + 1, "axis"),  # where an axis is inserted
+    "sorted_axes": _sorted_axes,
+    "squeeze_axes": lambda v, s: _axes(v, s.rank, "axis"),
+    "cat_axis": _same_rank,
+    "permutation": _permutation,
+    "nonzero": lambda v, s: "must not be 0" if _is_int(v) and v == 0 else None,
+    "sizes": _shape_rule(0, None, match=False),
+    "result_shape": _shape_rule(0, None, match=True),  # the created tensor's shape
+    "view_shape": _shape_rule(-1, 1, match=True, keep=True),
+    "expand_shape": _shape_rule(-1, None, match=True, keep=True),
+    "tile_reps": _tile_reps,
+}
+
+
+def _check_rule(where: str, spec: AttrSpec, value: object, shapes: _Shapes) -> None:
+    if spec.rule is None:
+        return
+    problem = RULES[spec.rule](value, shapes)
+    if problem:
+        raise FormatError(f"{where}: attribute {spec.name!r} = {value!r} {problem}")
 
 
 CATALOG: dict[str, OpSpec] = {}
@@ -130,6 +269,8 @@ def define(spec: OpSpec) -> OpSpec:
     for attr in spec.attrs:
         if attr.kind not in ATTR_KINDS:
             raise ValueError(f"op {spec.name}: unknown attribute kind {attr.kind!r}")
+        if attr.rule is not None and attr.rule not in RULES:
+            raise ValueError(f"op {spec.name}: unknown attribute rule {attr.rule!r}")
     if spec.name in CATALOG:
         raise ValueError(f"op {spec.name} is defined twice")
     CATALOG[spec.name] = spec
@@ -150,8 +291,8 @@ def validate_graph(graph: Graph) -> None:
 
     (Dataflow order and slot types are checked with the payload: ``ir.payload.check_graph``.)
     """
-    for instr in graph.instructions:
-        lookup(instr.op).validate(instr, graph)
+    for index, instr in enumerate(graph.instructions):
+        lookup(instr.op).validate(instr, graph, index)
 
 
 # -- the ops -------------------------------------------------------------------------
@@ -171,7 +312,8 @@ REDUCTIONS = ("sum", "mean", "amax", "amin")
 
 for _name in ELEMENTWISE_UNARY:
     define(OpSpec(_name, ("x",)))
-define(OpSpec("gelu", ("x",), _attrs(("approximate", "str")), output_rule="like x; approximate 'none' (erf) or 'tanh'"))
+define(OpSpec("gelu", ("x",), (AttrSpec("approximate", "str", choices=("none", "tanh")),),
+              output_rule="like x; approximate 'none' (erf) or 'tanh'"))
 define(OpSpec("clamp", ("x",), _attrs(("min", "float", False), ("max", "float", False))))
 for _name in ELEMENTWISE_BINARY:
     define(OpSpec(_name, ("a", "b"), output_rule="broadcast shape of a and b, dtype of a"))
@@ -190,7 +332,7 @@ for _name in REDUCTIONS:
         OpSpec(
             _name,
             ("x",),
-            _attrs(("dims", "ints"), ("keepdim", "bool")),
+            _attrs(("dims", "ints", True, "sorted_axes"), ("keepdim", "bool")),
             output_rule="x reduced over dims (kept as size 1 if keepdim); dtype of x",
         )
     )
@@ -198,12 +340,12 @@ define(
     OpSpec(
         "argmax",
         ("x",),
-        _attrs(("dim", "int", False), ("keepdim", "bool")),
+        _attrs(("dim", "int", False, "axis"), ("keepdim", "bool")),
         output_rule="index of the max along dim (over the flattened x when dim is absent); int64",
     )
 )
-define(OpSpec("softmax", ("x",), _attrs(("dim", "int")), output_rule="like x; accumulated in fp32"))
-define(OpSpec("log_softmax", ("x",), _attrs(("dim", "int")), output_rule="like x; accumulated in fp32"))
+define(OpSpec("softmax", ("x",), _attrs(("dim", "int", True, "axis")), output_rule="like x; accumulated in fp32"))
+define(OpSpec("log_softmax", ("x",), _attrs(("dim", "int", True, "axis")), output_rule="like x; accumulated in fp32"))
 define(
     OpSpec(
         "rms_norm",
@@ -243,7 +385,7 @@ define(
     OpSpec(
         "index_select",
         ("x", "index"),
-        _attrs(("dim", "int")),
+        _attrs(("dim", "int", True, "axis")),
         output_rule="x with dim replaced by len(index) (index 1-D, int)",
     )
 )
@@ -251,19 +393,21 @@ define(
     OpSpec(
         "gather",
         ("x", "index"),
-        _attrs(("dim", "int")),
+        _attrs(("dim", "int", True, "axis")),
         output_rule="index's shape: x[..., index[...], ...] along dim (take-along-axis)",
     )
 )
 
 # Layout. Shapes may hold SlotRefs; view takes one -1, expand takes -1 for "keep".
-define(OpSpec("view", ("x",), _attrs(("shape", "ints_or_refs")), output_rule="x's elements in the given shape"))
-define(OpSpec("permute", ("x",), _attrs(("dims", "ints")), output_rule="x's axes reordered"))
+define(OpSpec("view", ("x",), _attrs(("shape", "ints_or_refs", True, "view_shape")),
+              output_rule="x's elements in the given shape"))
+define(OpSpec("permute", ("x",), _attrs(("dims", "ints", True, "permutation")), output_rule="x's axes reordered"))
 define(
     OpSpec(
         "slice",
         ("x",),
-        _attrs(("dim", "int"), ("start", "int_or_ref"), ("end", "int_or_ref"), ("step", "int")),
+        _attrs(("dim", "int", True, "axis"), ("start", "int_or_ref"), ("end", "int_or_ref"),
+               ("step", "int", True, "nonzero")),
         output_rule="x[start:end:step] along dim, Python slice semantics (negatives wrap, ends clamp)",
     )
 )
@@ -271,7 +415,8 @@ define(
     OpSpec(
         "slice_update",
         ("x", "update"),
-        _attrs(("dim", "int"), ("start", "int_or_ref"), ("end", "int_or_ref"), ("step", "int")),
+        _attrs(("dim", "int", True, "axis"), ("start", "int_or_ref"), ("end", "int_or_ref"),
+               ("step", "int", True, "nonzero")),
         output_rule="x with x[start:end:step] along dim (as in slice) replaced by update, which has that "
         "slice's shape and x's dtype",
     )
@@ -280,17 +425,19 @@ define(
     OpSpec(
         "select",
         ("x",),
-        _attrs(("dim", "int"), ("index", "int_or_ref")),
+        _attrs(("dim", "int", True, "axis"), ("index", "int_or_ref")),
         output_rule="x[index] along dim, dim removed (a negative index counts from the end)",
     )
 )
-define(OpSpec("unsqueeze", ("x",), _attrs(("dim", "int")), output_rule="x with a size-1 axis inserted at dim"))
-define(OpSpec("squeeze", ("x",), _attrs(("dims", "ints")), output_rule="x without those of dims that have size 1"))
+define(OpSpec("unsqueeze", ("x",), _attrs(("dim", "int", True, "new_axis")),
+              output_rule="x with a size-1 axis inserted at dim"))
+define(OpSpec("squeeze", ("x",), _attrs(("dims", "ints", True, "squeeze_axes")),
+              output_rule="x without those of dims that have size 1"))
 define(
     OpSpec(
         "expand",
         ("x",),
-        _attrs(("shape", "ints_or_refs")),
+        _attrs(("shape", "ints_or_refs", True, "expand_shape")),
         output_rule="x broadcast to shape (-1 keeps x's size; new axes lead)",
     )
 )
@@ -298,16 +445,17 @@ define(
     OpSpec(
         "tile",
         ("x",),
-        _attrs(("reps", "ints_or_refs")),
+        _attrs(("reps", "ints_or_refs", True, "tile_reps")),
         output_rule="x repeated reps[i] times along axis i; leading size-1 axes are added when reps is longer",
     )
 )
-define(OpSpec("cat", ("tensors*",), _attrs(("dim", "int")), output_rule="the operands joined along dim"))
+define(OpSpec("cat", ("tensors*",), _attrs(("dim", "int", True, "cat_axis")),
+              output_rule="the operands joined along dim"))
 define(
     OpSpec(
         "split",
         ("x",),
-        _attrs(("sizes", "ints_or_refs"), ("dim", "int")),
+        _attrs(("sizes", "ints_or_refs", True, "sizes"), ("dim", "int", True, "axis")),
         n_outputs=None,
         output_rule="one result per size: consecutive pieces of x along dim",
     )
@@ -318,7 +466,7 @@ define(
     OpSpec(
         "full",
         (),
-        _attrs(("shape", "ints_or_refs"), ("value", "float"), ("dtype", "dtype")),
+        _attrs(("shape", "ints_or_refs", True, "result_shape"), ("value", "float"), ("dtype", "dtype")),
         output_rule="a tensor of the given shape and dtype filled with value",
     )
 )
@@ -326,7 +474,8 @@ define(
     OpSpec(
         "arange",
         (),
-        _attrs(("start", "int_or_ref"), ("end", "int_or_ref"), ("step", "int_or_ref"), ("dtype", "dtype")),
+        _attrs(("start", "int_or_ref"), ("end", "int_or_ref"), ("step", "int_or_ref", True, "nonzero"),
+               ("dtype", "dtype")),
         output_rule="[start, start+step, ...) below end, 1-D, the given dtype",
     )
 )
@@ -336,7 +485,7 @@ define(
     OpSpec(
         "sym_size",
         ("x",),
-        _attrs(("dim", "int")),
+        _attrs(("dim", "int", True, "axis")),
         output_rule="int: x.shape[dim]",
         scalar_result=True,
     )
@@ -347,7 +496,7 @@ for _name in SCALAR_BINARY:
         OpSpec(
             _name,
             (),
-            _attrs(("a", "int_or_ref"), ("b", "int_or_ref")),
+            _attrs(("a", "int_or_ref"), ("b", "int_or_ref", True, "nonzero" if _name == "scalar_floordiv" else None)),
             output_rule="int: a op b (floor division rounds toward -inf)",
             scalar_result=True,
         )

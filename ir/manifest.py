@@ -10,6 +10,8 @@ from typing import Any, Mapping, Optional
 from .errors import FormatError
 
 MANIFEST_VERSION = 1
+# The dtypes a model is exported in (weights, activations, and the KV cache by default).
+MODEL_DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
@@ -46,37 +48,73 @@ class Manifest:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "Manifest":
-        """Parse and validate; FormatError naming the first bad field."""
+        """Parse and validate every field's type and range; FormatError naming the first bad field."""
         if not isinstance(d, Mapping):
             raise FormatError("the manifest must be a JSON object")
         version = d.get("format_version")
-        if not isinstance(version, int) or version > MANIFEST_VERSION:
+        if not _is_int(version) or version > MANIFEST_VERSION:
             raise FormatError(
                 f"manifest version {version!r} is not supported (this mlx-pte reads up to "
                 f"{MANIFEST_VERSION}); upgrade mlx-pte"
             )
-        try:
-            cache = tuple(CacheLayerSpec(**{k: int(layer[k]) for k in CacheLayerSpec.__dataclass_fields__})
-                          for layer in d["cache"])
-            manifest = cls(
-                config=dict(d["config"]),
-                dtype=str(d["dtype"]),
-                vocab_size=int(d["vocab_size"]),
-                cache=cache,
-                max_step=int(d["max_step"]),
-                max_context=int(d["max_context"]),
-                tokenizer=d.get("tokenizer"),
-                chat_template=d.get("chat_template"),
-                bos_token_id=d.get("bos_token_id"),
-                eos_token_ids=tuple(int(i) for i in d.get("eos_token_ids") or ()),
-                pad_token_id=d.get("pad_token_id"),
-                format_version=version,
-                extra=dict(d.get("extra") or {}),
-            )
-        except (KeyError, TypeError, ValueError) as exc:
-            raise FormatError(f"the manifest is malformed ({type(exc).__name__}: {exc})") from None
-        if not manifest.cache:
+        cache = _field(d, "cache", list)
+        if not cache:
             raise FormatError("the manifest declares no cache layers; was this exported from an LLM?")
-        if manifest.max_step < 1 or manifest.max_context < 1:
-            raise FormatError("the manifest's max_step and max_context must be positive")
-        return manifest
+        layers = []
+        for i, layer in enumerate(cache):
+            if not isinstance(layer, Mapping):
+                raise FormatError(f"the manifest's cache[{i}] must be an object, got {layer!r}")
+            layers.append(CacheLayerSpec(**{
+                name: _count(layer, name, 0 if name == "window" else 1, f"cache[{i}].{name}")
+                for name in CacheLayerSpec.__dataclass_fields__
+            }))  # fmt: skip
+        vocab_size = _count(d, "vocab_size", 1)
+        token_ids = {"bos_token_id": d.get("bos_token_id"), "pad_token_id": d.get("pad_token_id")}
+        eos = d.get("eos_token_ids") or []
+        if not isinstance(eos, list):
+            raise FormatError(f"the manifest's eos_token_ids must be a list of token ids, got {eos!r}")
+        for name, value in [*token_ids.items(), *((f"eos_token_ids[{i}]", v) for i, v in enumerate(eos))]:
+            if value is not None and not (_is_int(value) and 0 <= value < vocab_size):
+                raise FormatError(f"the manifest's {name} must be a token id below {vocab_size}, got {value!r}")
+        dtype = _field(d, "dtype", str)
+        if dtype not in MODEL_DTYPES:
+            raise FormatError(f"the manifest's dtype must be one of {', '.join(MODEL_DTYPES)}, got {dtype!r}")
+        return cls(
+            config=dict(_field(d, "config", dict)),
+            dtype=dtype,
+            vocab_size=vocab_size,
+            cache=tuple(layers),
+            max_step=_count(d, "max_step", 1),
+            max_context=_count(d, "max_context", 1),
+            tokenizer=_field(d, "tokenizer", str, optional=True),
+            chat_template=_field(d, "chat_template", str, optional=True),
+            bos_token_id=token_ids["bos_token_id"],
+            eos_token_ids=tuple(eos),
+            pad_token_id=token_ids["pad_token_id"],
+            format_version=version,
+            extra=dict(_field(d, "extra", dict, optional=True) or {}),
+        )
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+_JSON_NAMES = {dict: "an object", list: "a list", str: "a string"}
+
+
+def _field(d: Mapping[str, Any], name: str, kind: type, optional: bool = False) -> Any:
+    value = d.get(name)
+    if value is None and optional:
+        return None
+    if not isinstance(value, kind):
+        what = "missing" if name not in d else f"{type(value).__name__} {value!r}"[:80]
+        raise FormatError(f"the manifest's {name} must be {_JSON_NAMES[kind]}, got {what}")
+    return value
+
+
+def _count(d: Mapping[str, Any], name: str, minimum: int, label: Optional[str] = None) -> int:
+    value = d.get(name)
+    if not _is_int(value) or value < minimum:
+        raise FormatError(f"the manifest's {label or name} must be an integer >= {minimum}, got {value!r}")
+    return value

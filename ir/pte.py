@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import stat
 import struct
 from dataclasses import dataclass
 from typing import Mapping, Optional, Union
@@ -114,8 +115,12 @@ def read_pte(path: Union[str, os.PathLike]) -> Union[Payload, ImportedPayload]:
         FormatError (or a subclass): the message starts with the file's path.
         OSError: the file cannot be opened.
     """
-    with open(path, "rb") as f:
-        if os.fstat(f.fileno()).st_size == 0:
+    # Non-blocking, so a FIFO is refused at once instead of waiting for a writer.
+    with os.fdopen(os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)), "rb") as f:
+        info = os.fstat(f.fileno())
+        if not stat.S_ISREG(info.st_mode):
+            raise FormatError(f"{os.fspath(path)}: not a regular file (a pipe, device or socket); pass a .pte file")
+        if info.st_size == 0:
             raise FormatError(f"{os.fspath(path)}: the file is empty")
         mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     try:

@@ -3,7 +3,8 @@
 Each subcommand is one setup function registered with ``@command``: it adds its
 arguments to the parser it is given and returns the handler that runs it. Handlers import
 heavy dependencies (torch, mlx) themselves, so ``mlx-pte inspect`` starts quickly.
-Errors the user can act on print one ``error: ...`` line and exit with status 1, never a
+Errors the user can act on print one ``error: ...`` line and exit with status 1 (a usage
+mistake: 2; a reader that closes the pipe early: 141, silently), never a
 traceback (set MLX_PTE_DEBUG=1 to see it).
 """
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import sys
 from collections import Counter
@@ -42,8 +44,52 @@ def command(name: str, help: str) -> Callable[[Setup], Setup]:
     return register
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage mistakes, like every other error, are one ``error:`` line (exit status 2)."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
+
+
+def _checked(kind: type, what: str, ok: Callable[[float], bool]) -> Callable[[str], float]:
+    """An argparse type: ``kind(text)`` that must satisfy ``ok``; argparse names the flag."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text}")
+        return value
+
+    parse.__name__ = what  # argparse shows it in its own messages
+    return parse
+
+
+positive_int = _checked(int, "an integer >= 1", lambda v: v >= 1)
+non_negative_int = _checked(int, "an integer >= 0", lambda v: v >= 0)
+non_negative_float = _checked(float, "a finite number >= 0", lambda v: math.isfinite(v) and v >= 0)
+probability = _checked(float, "a number in (0, 1]", lambda v: 0 < v <= 1)
+
+
+# Arguments that are text for the model (not paths, which may be any bytes).
+TEXT_ARGUMENTS = ("prompt",)
+
+
+def _check_text_arguments(args: argparse.Namespace) -> None:
+    """Text the OS handed over as undecodable bytes (kept as lone surrogates) is refused."""
+    for name in TEXT_ARGUMENTS:
+        value = getattr(args, name, None)
+        try:
+            value is None or value.encode("utf-8")
+        except UnicodeEncodeError:
+            raw = value.encode("utf-8", "surrogateescape")[:40]
+            raise ValueError(f"--{name} is not valid UTF-8 text (it starts {raw!r}); pass UTF-8") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="mlx-pte", description="Export Hugging Face causal LMs to .pte files and run them on MLX."
     )
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -56,7 +102,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        _check_text_arguments(args)
         return args.handler(args)
+    except BrokenPipeError:
+        # The reader went away (``mlx-pte inspect FILE | head``): stop quietly, as cat does.
+        # stdout's buffer is unwritable now, so point it at /dev/null for the exit-time flush.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     except (FormatError, OSError, ValueError, CacheError, ExportError) as exc:
         if os.environ.get("MLX_PTE_DEBUG"):
             raise
@@ -146,7 +198,11 @@ def _table(rows: list[tuple[str, ...]]) -> list[str]:
 @command("export", "export a local Hugging Face checkpoint directory to a .pte file")
 def export_command(parser: argparse.ArgumentParser) -> Handler:
     parser.add_argument("model_dir", help="local checkpoint directory (config.json, *.safetensors, tokenizer.json)")
-    parser.add_argument("-o", "--output", required=True, help="the .pte file to write")
+    parser.add_argument(
+        "-o", "--output", required=True,
+        help="the .pte file to write, in an existing directory; a directory (existing, or written with a "
+        "trailing /) means DIR/<model_dir name>.pte. Written whole or not at all, mode 0666 less the umask",
+    )
     parser.add_argument(
         "--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
         help="dtype of weights and activations (default float32; MLX on CPU is fastest in float32)",
@@ -203,10 +259,14 @@ def add_cache_arguments(parser: argparse.ArgumentParser, default_kind: Optional[
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
-    parser.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0 = all)")
-    parser.add_argument("--top-p", type=float, default=1.0, help="sample from the smallest set holding this mass")
-    parser.add_argument("--seed", type=int, default=None, help="random seed, for reproducible sampling")
+    parser.add_argument("--temperature", type=non_negative_float, default=0.0,
+                        help="0 (default) is greedy, as is any temperature too small to sample with")
+    parser.add_argument("--top-k", type=non_negative_int, default=0,
+                        help="sample among the k likeliest tokens (0 = all)")
+    parser.add_argument("--top-p", type=probability, default=1.0,
+                        help="sample from the smallest set holding this mass")
+    parser.add_argument("--seed", type=non_negative_int, default=None,
+                        help="random seed (an integer >= 0), for reproducible sampling")
 
 
 def sampling_from(args: argparse.Namespace):
@@ -238,7 +298,8 @@ def run_command(parser: argparse.ArgumentParser) -> Handler:
     parser.add_argument("--prompt", help="the prompt text")
     parser.add_argument("--prompts", metavar="FILE", help="a file of prompts (one per line, or JSONL) served together")
     parser.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    parser.add_argument("--max-new-tokens", type=int, default=128, help="most tokens to generate (default 128)")
+    parser.add_argument("--max-new-tokens", type=positive_int, default=128,
+                        help="most tokens to generate, at least 1 (default 128)")
     add_cache_arguments(parser, None, capacity=False)
     from mlx_pte.interpreter.server import add_batching_arguments, add_tokenizer_argument
 
@@ -293,7 +354,13 @@ def serve_command(parser: argparse.ArgumentParser) -> Handler:
     from mlx_pte.interpreter.server import add_serve_arguments, serve_main
 
     add_serve_arguments(parser)
-    return serve_main
+
+    def run(args: argparse.Namespace) -> int:
+        if not 0 <= args.port <= 65535:
+            raise ValueError(f"--port must be a TCP port in [0, 65535], got {args.port}")
+        return serve_main(args)
+
+    return run
 
 
 # -- bench ------------------------------------------------------------------------------

@@ -56,3 +56,85 @@ def test_bench_reports_speed_and_memory(pte, capsys):
     assert main(["bench", str(pte), "--prompt-tokens", "8", "--generate", "4", "--repeats", "1"]) == 0
     out = capsys.readouterr().out
     assert "prefill" in out and "decode" in out and "peak memory" in out
+
+
+@pytest.mark.parametrize("flags, names", [
+    (["--max-new-tokens", "0"], "--max-new-tokens"),
+    (["--max-new-tokens", "-1"], "--max-new-tokens"),
+    (["--seed", "-1"], "--seed"),
+    (["--temperature", "nan"], "--temperature"),
+    (["--temperature", "-0.5"], "--temperature"),
+    (["--top-p", "0"], "--top-p"),
+    (["--top-k", "-3"], "--top-k"),
+])  # fmt: skip
+def test_a_bad_flag_value_is_one_error_line_naming_the_flag(pte, capsys, flags, names):
+    with pytest.raises(SystemExit) as exit_:
+        main(["run", str(pte), "--prompt", "hi", *flags])
+    assert exit_.value.code == 2
+    captured = capsys.readouterr()
+    assert f"argument {names}:" in one_error_line(captured) and captured.out == ""
+
+
+def test_max_new_tokens_is_refused_the_same_way_with_prompts(pte, tmp_path, capsys):
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("hello\n")
+    with pytest.raises(SystemExit):
+        main(["run", str(pte), "--prompts", str(prompts), "--max-new-tokens", "0"])
+    assert "argument --max-new-tokens:" in one_error_line(capsys.readouterr())
+
+
+def test_a_prompt_of_undecodable_bytes_is_one_error_line(pte, capsys):
+    # How Python hands over argv bytes that are not UTF-8: as lone surrogates.
+    assert main(["run", str(pte), "--prompt", b"\xff\xfe".decode("utf-8", "surrogateescape")]) == 1
+    assert "--prompt is not valid UTF-8 text (it starts b'\\xff\\xfe')" in one_error_line(capsys.readouterr())
+
+
+def test_a_jsonl_line_with_a_lone_surrogate_is_one_error_line(pte, tmp_path, capsys):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "fine"}\n{"prompt": "bad \\ud800"}\n')
+    assert main(["run", str(pte), "--prompts", str(prompts)]) == 1
+    assert f"{prompts}:2: the line holds a lone surrogate" in one_error_line(capsys.readouterr())
+
+
+def test_a_tiny_temperature_is_greedy_without_warnings(pte, capsys):
+    from mlx_pte.interpreter import sampling
+
+    if not hasattr(sampling, "GREEDY_TEMPERATURE"):
+        pytest.skip("the tiny-temperature rule of SamplingParams (issue 12, item 2) is not merged here")
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a numpy overflow warning fails the test
+        assert main(["run", str(pte), "--prompt", "The", "--max-new-tokens", "4", "--temperature", "1e-320"]) == 0
+    tiny = capsys.readouterr().out
+    assert main(["run", str(pte), "--prompt", "The", "--max-new-tokens", "4"]) == 0
+    assert tiny == capsys.readouterr().out  # the same text as greedy
+
+
+def test_serve_on_an_impossible_port_is_one_error_line(pte, capsys):
+    assert main(["serve", str(pte), "--port", "99999"]) == 1
+    assert "--port must be a TCP port" in one_error_line(capsys.readouterr())
+
+
+def test_inspect_into_a_closed_pipe_exits_quietly(pte):
+    import subprocess
+    import sys
+
+    reader_gone = subprocess.Popen([sys.executable, "-m", "mlx_pte", "inspect", str(pte)],
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    reader_gone.stdout.close()  # as `| head` does once it has read enough (here: before any output)
+    _, err = reader_gone.communicate(timeout=120)
+    assert reader_gone.returncode == 141 and err == b"", err.decode()
+
+
+@pytest.mark.parametrize("command", ["run", "inspect"])
+def test_a_fifo_as_the_model_is_refused_at_once(tmp_path, capsys, command):
+    import os
+
+    from tests.ir.test_fuzz import time_limit
+
+    fifo = tmp_path / "model.pte"
+    os.mkfifo(fifo)
+    with time_limit(30):
+        assert main([command, str(fifo), *(["--prompt", "hi"] if command == "run" else [])]) == 1
+    assert "not a regular file" in one_error_line(capsys.readouterr())
