@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-UPSTREAM := $(VENV)/.upstream-mlx
+UPSTREAM := ir/upstream/_generated/schema_generated.py
 
 .PHONY: test test-slow demo bench blas schemas clean
 
@@ -13,7 +13,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
-# upstream ExecuTorch's MLX backend: generate the files its wheel lacks (idempotent).
+# upstream ExecuTorch's MLX backend: generate the files its wheel lacks, and mlx-pte's
+# reader of its payload (ignored by git), from the installed schema (idempotent).
 $(UPSTREAM): $(STAMP) scripts/prepare_upstream_mlx.py
 	$(PY) scripts/prepare_upstream_mlx.py
 	touch $(UPSTREAM)

@@ -12,7 +12,8 @@ defaults are ``test_utils.TOLERANCE_PRESETS``'s fp32 row). Outcomes:
 - unsupported: node types mlx-pte has no translation for (listed);
 - not delegated: upstream keeps part of the program outside its delegate (by design for
   the case, e.g. ``expected_mlx_segments != 1``), so no single payload computes it;
-- export error: upstream's own export of the case fails here.
+- build error: upstream's case itself (its model, inputs or eager reference) or its
+  export fails here (e.g. a transformers version it was not written for).
 
 ``python -m tests.upstream.op_suite [--per-class N] [CLASS ...]`` prints the per-class table.
 """
@@ -26,7 +27,7 @@ import types
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import numpy as np
 import torch
@@ -38,10 +39,10 @@ from mlx_pte.ir.pte import read_program
 from mlx_pte.ir.upstream.importer import UnsupportedNodeError, import_function
 from mlx_pte.runtime.cache import CACHE_FACTORY, KIND_SINGLE, CacheConfig, CacheGeometry, LayerGeometry, LayerPolicy, Step
 
-PASSED, FAILED, UNSUPPORTED, NOT_DELEGATED, EXPORT_ERROR = (
-    "passed", "failed", "unsupported", "not delegated", "export error",
+PASSED, FAILED, UNSUPPORTED, NOT_DELEGATED, BUILD_ERROR = (
+    "passed", "failed", "unsupported", "not delegated", "build error",
 )  # fmt: skip
-OUTCOMES = (PASSED, FAILED, UNSUPPORTED, NOT_DELEGATED, EXPORT_ERROR)
+OUTCOMES = (PASSED, FAILED, UNSUPPORTED, NOT_DELEGATED, BUILD_ERROR)
 # ExecuTorch ScalarType codes in a case's kv_cache spec -> mlx-pte dtypes.
 _KV_DTYPES = {5: "float16", 6: "float32", 15: "bfloat16"}
 
@@ -126,20 +127,20 @@ def run_case(base: str, case: Any, workdir: Path) -> CaseResult:
     name = getattr(case, "name", base)
     if case.expected_mlx_segments != 1:
         return CaseResult(base, name, NOT_DELEGATED, f"the case expects {case.expected_mlx_segments} MLX segments")
-    case._set_seed()
-    model = case.create_model().eval()
-    export_inputs = case.create_inputs()
-    case._set_seed()
-    test_inputs = tuple(_as_list(case.create_test_inputs()))
-    with torch.no_grad():
-        expected = _as_list(case.compute_expected_outputs(model, test_inputs))
     path = workdir / f"{name}.pte"
     try:
+        case._set_seed()
+        model = case.create_model().eval()
+        export_inputs = case.create_inputs()
+        case._set_seed()
+        test_inputs = tuple(_as_list(case.create_test_inputs()))
+        with torch.no_grad():
+            expected = _as_list(case.compute_expected_outputs(model, test_inputs))
         export_model_to_pte(model, tuple(_as_list(export_inputs)), path, dynamic_shapes=case.get_dynamic_shapes(),
                             edge_compile_config=case.get_edge_compile_config(),
                             transform_passes=case.get_transform_passes())  # fmt: skip
-    except Exception as exc:  # upstream's exporter: any failure is reported, not raised
-        return CaseResult(base, name, EXPORT_ERROR, f"{type(exc).__name__}: {str(exc)[:200]}")
+    except Exception as exc:  # upstream's case or exporter: any failure is reported, not raised
+        return CaseResult(base, name, BUILD_ERROR, f"{type(exc).__name__}: {str(exc)[:200]}")
     data = path.read_bytes()
     order = _delegate_argument_order(data)
     if order is None:
@@ -177,8 +178,13 @@ def _run(program: Program, case: Any, inputs: tuple) -> list[mx.array]:
     return outputs
 
 
-def run_suite(classes: Optional[Iterable[str]] = None, per_class: Optional[int] = None) -> list[CaseResult]:
-    """Every case of ``classes`` (default: all registered), or the first ``per_class`` of each."""
+def run_suite(
+    classes: Optional[Iterable[str]] = None,
+    per_class: Optional[int] = None,
+    on_result: Optional[Callable[[CaseResult], None]] = None,
+) -> list[CaseResult]:
+    """Every case of ``classes`` (default: all registered), or the first ``per_class`` of
+    each; ``on_result`` sees each result as it comes."""
     tests = registry()
     wanted = list(tests) if classes is None else list(classes)
     results = []
@@ -186,6 +192,8 @@ def run_suite(classes: Optional[Iterable[str]] = None, per_class: Optional[int] 
         for base in wanted:
             for case in cases(tests[base])[:per_class]:
                 results.append(run_case(base, case, Path(tmp)))
+                if on_result is not None:
+                    on_result(results[-1])
     return results
 
 
@@ -210,7 +218,8 @@ if __name__ == "__main__":
     # python -m tests.upstream.op_suite [--per-class N] [CLASS ...]
     argv = sys.argv[1:]
     limit = int(argv[1]) if argv[:1] == ["--per-class"] else None
-    suite = run_suite(argv[2 if limit else 0 :] or None, per_class=limit)
+    progress = lambda r: print(f"{r.outcome}: {r.case} {r.detail[:150]}", file=sys.stderr, flush=True)  # noqa: E731
+    suite = run_suite(argv[2 if limit else 0 :] or None, per_class=limit, on_result=progress)
     print(table(suite))
     for r in suite:
         if r.outcome == FAILED:

@@ -2,6 +2,9 @@
 --tokenizer HF_DIR`, and one clear error when text is asked for without a tokenizer."""
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 from starlette.testclient import TestClient
@@ -90,3 +93,16 @@ def test_serve_completes_text_with_the_given_tokenizer(files, hf_continuation):
         )
     assert response.status_code == 200, response.text
     assert response.json()["choices"][0]["text"] == hf_continuation
+
+
+def test_an_upstream_file_runs_without_torch_or_executorch(files):
+    pte, checkpoint = files
+    code = (
+        "import sys\n"
+        "from mlx_pte.interpreter import load, generate\n"
+        f"program = load({str(pte)!r}, tokenizer={str(checkpoint)!r})\n"
+        "print(generate(program.session('batched-sequence'), 'The for', max_new_tokens=4).text)\n"
+        "heavy = [m for m in ('torch', 'executorch', 'transformers') if m in sys.modules]\n"
+        "assert not heavy, heavy\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
