@@ -127,21 +127,23 @@ def _layer_norm(b: ImportBuilder, n: Any) -> None:
 @translates("AddmmNode")
 def _addmm(b: ImportBuilder, n: Any) -> None:
     """alpha * (mat1 @ mat2) + beta * bias; a stored weight's transpose runs as ``linear``."""
-    x, bias = b.read(n.mat1), b.read_optional(n.bias)
+    x, mat2, bias = b.read(n.mat1), b.read(n.mat2), b.read_optional(n.bias)
     weight = b.transposed_constant(n.mat2)
     plain = n.alpha == 1.0 and (bias is None or n.beta == 1.0)
+    if plain and weight is not None:
+        b.emit("linear", (x, weight, bias), (b.write(n.out),))
+        return
     product = b.write(n.out) if plain and bias is None else b.temp()
     if weight is not None:
-        b.emit("linear", (x, weight, bias if plain else None), (product,))
-        if plain:
-            return
+        b.emit("linear", (x, weight, None), (product,))
     else:
-        b.emit("matmul", (x, b.read(n.mat2)), (product,))
+        b.emit("matmul", (x, mat2), (product,))
     if plain:
-        b.emit("add", (product, bias), (b.write(n.out),))
+        if bias is not None:
+            b.emit("add", (product, bias), (b.write(n.out),))
         return
     # Scalars need the operands' dtype, which the payload records only for constants.
-    dtype = b.constant_dtype(weight if weight is not None else b.read(n.mat2))
+    dtype = b.constant_dtype(weight if weight is not None else mat2)
     if dtype is None:
         raise FormatError("AddmmNode with alpha or beta other than 1 is supported only on a stored weight")
     scaled = b.scaled(product, n.alpha, dtype)
