@@ -274,5 +274,37 @@ def _update_and_attend(b: ImportBuilder, n: Any) -> None:
     b.emit("cast", (attended,), (b.write(n.out),), dtype=b.dtype(n.outDtype))
 
 
+@translates("ClipNode")
+def _clip(b: ImportBuilder, n: Any) -> None:
+    """min(max(x, a_min), a_max), either bound optional (the bounds are tensors)."""
+    value = b.read(n.x)
+    bounds = [("maximum", b.read_optional(n.aMin)), ("minimum", b.read_optional(n.aMax))]
+    bounds = [(op, slot) for op, slot in bounds if slot is not None]
+    if not bounds:
+        b.alias(n.out, n.x)
+        return
+    for i, (op, bound) in enumerate(bounds):
+        out = b.write(n.out) if i == len(bounds) - 1 else b.temp()
+        b.emit(op, (value, bound), (out,))
+        value = out
+
+
+@translates("StackNode")
+def _stack(b: ImportBuilder, n: Any) -> None:
+    pieces = []
+    for tid in n.tensors or ():
+        piece = b.temp()
+        b.emit("unsqueeze", (b.read(tid),), (piece,), dim=n.axis)
+        pieces.append(piece)
+    b.emit("cat", tuple(pieces), (b.write(n.out),), dim=n.axis)
+
+
+@translates("ArgminNode")
+def _argmin(b: ImportBuilder, n: Any) -> None:
+    negated = b.temp()  # the first minimum of x is the first maximum of -x
+    b.emit("neg", (b.read(n.x),), (negated,))
+    b.emit("argmax", (negated,), (b.write(n.out),), dim=n.axis, keepdim=bool(n.keepdims))
+
+
 def translation(name: str) -> Optional[Translation]:
     return TRANSLATIONS.get(name)
