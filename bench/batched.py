@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch  # noqa: F401  (the export uses it: before the OpenBLAS loader, see runtime/mlx/blas.py)
 
 import mlx_pte.runtime.mlx.blas  # noqa: F401  (before mlx.core: fast BLAS)
 import mlx.core as mx

@@ -1,5 +1,5 @@
 """Prefill and decode speed of mlx-pte against mlx-lm and HF eager, on one checkpoint, in
-one process run.
+one run of this script.
 
     .venv/bin/python bench/decode.py MODEL_DIR [--prompt 128 --generate 64]
     .venv/bin/python bench/decode.py --make-model /tmp/llama135m   # a 135M Llama-shaped
@@ -7,19 +7,21 @@ one process run.
 
 Every engine decodes greedily from the same random prompt ids without stopping at eos,
 computing in float32. Prefill time covers the prompt's forward(s) and the first token;
-decode time covers the remaining tokens.
+decode time covers the remaining tokens. Each engine runs in its own process, importing
+only what it needs, so none is slowed by another's libraries (HF eager by the OpenBLAS
+that MLX loads: see mlx_pte/runtime/mlx/blas.py).
 """
 from __future__ import annotations
 
 import argparse
+import json
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
-
-import mlx_pte.runtime.mlx.blas  # noqa: F401  (before mlx.core: fast BLAS)
-import mlx.core as mx
 
 
 def make_model(out: Path) -> Path:
@@ -43,20 +45,25 @@ def make_model(out: Path) -> Path:
     return out
 
 
-def bench_mlx_pte(model_dir: Path, prompt: list[int], n: int, work: Path) -> tuple[float, float]:
+def bench_mlx_pte(model_dir: Path, prompt: list[int], n: int) -> tuple[float, float]:
+    import torch  # noqa: F401  (the export uses it: before the OpenBLAS loader)
+
     from mlx_pte.export.hf_export import export_hf
     from mlx_pte.interpreter import load
     from mlx_pte.interpreter.generation import generate
     from mlx_pte.interpreter.session import Session
 
-    pte = export_hf(model_dir, work / "model.pte", dtype="float32", max_step=256, progress=False)
-    program = load(pte)
+    with tempfile.TemporaryDirectory() as work:
+        pte = export_hf(model_dir, Path(work) / "model.pte", dtype="float32", max_step=256, progress=False)
+        program = load(pte)
     generate(Session(program), prompt[:8], max_new_tokens=4, stop_on_eos=False)  # warm-up
     result = generate(Session(program), prompt, max_new_tokens=n, stop_on_eos=False)
     return result.prefill_tps, result.decode_tps
 
 
 def bench_mlx_lm(model_dir: Path, prompt: list[int], n: int) -> tuple[float, float]:
+    import mlx_pte.runtime.mlx.blas  # noqa: F401  (before mlx.core: fast BLAS)
+    import mlx.core as mx
     from mlx.utils import tree_map
     from mlx_lm import load as mlx_lm_load
     from mlx_lm.generate import generate_step
@@ -100,7 +107,34 @@ def bench_hf(model_dir: Path, prompt: list[int], n: int) -> tuple[float, float]:
     return len(prompt) / prefill, (n - 1) / decode
 
 
+ENGINES = {"mlx-pte": bench_mlx_pte, "mlx-lm": bench_mlx_lm, "hf-eager": bench_hf}
+
+
+def run_engine(name: str, model_dir: Path, prompt: list[int], n: int) -> tuple[float, float]:
+    """(prefill, decode) tok/s of one engine, measured in a fresh process."""
+    job = json.dumps({"engine": name, "model_dir": str(model_dir), "prompt": prompt, "generate": n})
+    out = subprocess.run([sys.executable, __file__, "--engine-job", job], capture_output=True, text=True)
+    if out.returncode:
+        sys.exit(f"error: {name} failed:\n{out.stderr[-3000:]}")
+    prefill, decode = json.loads(out.stdout.strip().splitlines()[-1])
+    return prefill, decode
+
+
+def engine_job(spec: str) -> None:
+    job = json.loads(spec)
+    rates = ENGINES[job["engine"]](Path(job["model_dir"]), job["prompt"], job["generate"])
+    print(json.dumps(rates))
+
+
+def mlx_device() -> str:
+    code = "import mlx_pte.runtime.mlx.blas, mlx.core as mx; print(mx.default_device())"
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip()
+
+
 def main() -> None:
+    if len(sys.argv) == 3 and sys.argv[1] == "--engine-job":
+        engine_job(sys.argv[2])
+        return
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model_dir", nargs="?", type=Path, help="local HF checkpoint directory")
     parser.add_argument("--make-model", type=Path, help="write a 135M Llama-shaped checkpoint here and use it")
@@ -111,20 +145,18 @@ def main() -> None:
     model_dir = make_model(args.make_model) if args.make_model else args.model_dir
     if model_dir is None:
         parser.error("give MODEL_DIR or --make-model DIR")
-    import json
 
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     prompt = np.random.default_rng(0).integers(0, vocab, args.prompt).tolist()
-
+    skipped = {{"mlx-lm": "mlx-lm", "hf": "hf-eager"}[s] for s in args.skip}
     rows = {}
-    with tempfile.TemporaryDirectory() as work:
-        rows["mlx-pte"] = bench_mlx_pte(model_dir, prompt, args.generate, Path(work))
-    if "mlx-lm" not in args.skip:
-        rows["mlx-lm"] = bench_mlx_lm(model_dir, prompt, args.generate)
-    if "hf" not in args.skip:
-        rows["hf-eager"] = bench_hf(model_dir, prompt, args.generate)
+    for name in ENGINES:
+        if name not in skipped:
+            rows[name] = run_engine(name, model_dir, prompt, args.generate)
+            print(f"{name} done", flush=True)
 
-    print(f"\n{model_dir}: prompt {args.prompt}, generate {args.generate}, float32, device {mx.default_device()}")
+    print(f"\n{model_dir}: prompt {args.prompt}, generate {args.generate}, float32, device {mlx_device()}, "
+          "one process per engine")
     print(f"{'engine':<10} {'prefill tok/s':>14} {'decode tok/s':>13} {'prefill x':>10} {'decode x':>9}")
     base_p, base_d = rows["mlx-pte"]
     for name, (p, d) in rows.items():

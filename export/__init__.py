@@ -1,5 +1,18 @@
 """The torch side: the custom op, the HF adapter, lowering to the IR, the ExecuTorch backend."""
+import sys
+import warnings
+
 from mlx_pte import lazy_exports
+
+# See mlx_pte/runtime/mlx/blas.py: torch imported after the OpenBLAS loader calls OpenBLAS.
+_blas = sys.modules.get("mlx_pte.runtime.mlx.blas")
+if "torch" not in sys.modules and _blas is not None and _blas.loaded_path():
+    warnings.warn(
+        "mlx-pte: OpenBLAS was loaded before torch, so torch's matmuls will run on it (several "
+        "times slower); import torch (or mlx_pte.export) before mlx_pte.interpreter / runtime.mlx",
+        RuntimeWarning,
+        stacklevel=2,
+    )
 
 _EXPORTS = {
     "export_hf": ".hf_export",

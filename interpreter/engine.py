@@ -13,7 +13,16 @@ gate for every request it admits. A request that could never fit is refused at s
 
 ``n > 1`` samples of one prompt prefill once; right after the prefill the sequence is
 forked (``seq_clone``) once per extra sample, each sample drawing from the same last-row
-logits with its own sampler (seeds ``seed, seed + 1, ...``).
+logits with its own key chain (seeds ``seed, seed + 1, ...``).
+
+Iterations are pipelined the way ``generate()`` is: tokens are chosen on the device
+(``device_sampling``), and each iteration dispatches its forward before reading the
+previous one's token ids, so the host plans and builds step n+1 while the device computes
+step n. A decoding sample is fed its token unread, straight from the previous step's ids;
+what the host learns only on reading (eos, a stop string) ends the sample one step late,
+and its extra position is dropped with its sequence. (On MLX's CPU backend the overlap is
+small: ``async_eval`` waits while more than 10 scheduler tasks are in flight, and there
+every op is a task; on a GPU the tasks are command buffers.)
 """
 from __future__ import annotations
 
@@ -24,14 +33,18 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Callable, Iterator, Optional, Sequence, Union
-
-import numpy as np
+from typing import TYPE_CHECKING, Callable, Iterator, Optional, Sequence, Union
 
 from mlx_pte.runtime.cache import KIND_BATCHED_CELL, KIND_BATCHED_SEQUENCE, Step
 
-from .sampling import Sampler, SamplingParams
+from .sampling import SamplingParams
+from .stops import StopStringError, StopStrings, StopText
 from .text import IncrementalDecoder, TextCodec
+
+if TYPE_CHECKING:
+    import mlx.core as mx
+
+    from .device_sampling import TokenStream
 
 BATCHED_KINDS = (KIND_BATCHED_SEQUENCE, KIND_BATCHED_CELL)
 
@@ -184,6 +197,7 @@ class SequenceState:
     index: int  # sample index (0 while the prompt is prefilled)
     seq_id: int
     length: int  # positions the sequence holds
+    unread: int = 0  # tokens drawn by the forward in flight, not yet read and emitted
 
 
 class RequestHandle:
@@ -269,50 +283,19 @@ class RequestHandle:
         self._notify(last)
 
 
-class StopText:
-    """Text released as it is generated, cut before the first stop string.
-
-    Holds back any tail that could still grow into a stop string, so streamed text
-    never shows part of one.
-    """
-
-    def __init__(self, stops: Sequence[str]) -> None:
-        self.stops = tuple(s for s in stops if s)
-        self.text = ""
-        self.released = 0
-        self.stopped = False
-
-    def push(self, piece: str) -> str:
-        """Add decoded text; return what is now safe to show."""
-        self.text += piece
-        # Released text ends before any partial stop string, so none starts earlier.
-        hits = [i for i in (self.text.find(s, self.released) for s in self.stops) if i >= 0]
-        if hits:
-            self.text = self.text[: min(hits)]
-            self.stopped = True
-            return self.flush()
-        hold = max((k for s in self.stops for k in range(1, len(s)) if self.text.endswith(s[:k])), default=0)
-        end = max(self.released, len(self.text) - hold)
-        out = self.text[self.released : end]
-        self.released = end
-        return out
-
-    def flush(self) -> str:
-        out = self.text[self.released :]
-        self.released = len(self.text)
-        return out
-
-
 @dataclass
 class _Sample:
     index: int
-    sampler: Sampler
+    stream: "TokenStream"
     stop_text: StopText
     decoder: Optional[IncrementalDecoder]
     seq_id: Optional[int] = None
     length: int = 0  # positions its sequence holds
-    tokens: list[int] = field(default_factory=list)
-    pending: Optional[int] = None  # sampled, not yet fed
+    tokens: list[int] = field(default_factory=list)  # read and emitted
+    drawn: int = 0  # tokens drawn on the device, read or not
+    # Where, in the ids of the newest forward, the token to feed next is drawn; None when
+    # that draw is the sample's last.
+    pending: Optional[int] = None
     finish_reason: Optional[str] = None
 
 
@@ -336,7 +319,10 @@ class _Job:
 
 @dataclass
 class _StepBuild:
-    tokens: list[int] = field(default_factory=list)
+    # The step's tokens: first one per decoding sample, drawn by the previous forward (its
+    # row there in ``feeds``), then prompt tokens (``prompt``).
+    feeds: list[int] = field(default_factory=list)
+    prompt: list[int] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)
     seq_ids: list[int] = field(default_factory=list)
     # (token row, job, sample) for each row whose logits are sampled; sample None = the
@@ -344,12 +330,55 @@ class _StepBuild:
     rows: list[tuple[int, _Job, Optional[_Sample]]] = field(default_factory=list)
     chunks: list[tuple[_Job, int]] = field(default_factory=list)  # prompt tokens per job
     jobs: dict[int, _Job] = field(default_factory=dict)  # every job in the step, by id
+    feed_owners: list[int] = field(default_factory=list)  # each feed's job id
+    prompt_owners: list[int] = field(default_factory=list)  # each prompt token's job id
+
+    @property
+    def size(self) -> int:
+        return len(self.feeds) + len(self.prompt)
+
+    def add_decode(self, job: _Job, sample: _Sample) -> None:
+        self.rows.append((self.size, job, sample))
+        self.feeds.append(sample.pending)  # type: ignore[arg-type]
+        self.feed_owners.append(job.handle.id)
+        self.positions.append(sample.length)
+        self.seq_ids.append(sample.seq_id)  # type: ignore[arg-type]
+        self.jobs[job.handle.id] = job
 
     def add(self, job: _Job, seq_id: int, tokens: Sequence[int], start: int) -> None:
-        self.tokens.extend(tokens)
+        self.prompt.extend(tokens)
         self.positions.extend(range(start, start + len(tokens)))
         self.seq_ids.extend([seq_id] * len(tokens))
+        self.prompt_owners.extend([job.handle.id] * len(tokens))
         self.jobs[job.handle.id] = job
+
+    def only(self, job: _Job) -> "_StepBuild":
+        """The part of this step that belongs to ``job`` (a valid step on its own: a
+        subset of each of its sequences' contiguous runs); its feeds still index the
+        previous forward's draws."""
+        own = job.handle.id
+        feeds = [i for i, owner in enumerate(self.feed_owners) if owner == own]
+        prompt = [i for i, owner in enumerate(self.prompt_owners) if owner == own]
+        keep = feeds + [len(self.feeds) + i for i in prompt]  # token indices, in token order
+        row_of = {old: new for new, old in enumerate(keep)}
+        return _StepBuild(
+            feeds=[self.feeds[i] for i in feeds],
+            prompt=[self.prompt[i] for i in prompt],
+            positions=[self.positions[i] for i in keep],
+            seq_ids=[self.seq_ids[i] for i in keep],
+            rows=[(row_of[r], j, sample) for r, j, sample in self.rows if j is job],
+            chunks=[(j, count) for j, count in self.chunks if j is job],
+            jobs={own: job},
+            feed_owners=[own] * len(feeds),
+            prompt_owners=[own] * len(prompt),
+        )
+
+    def absorb(self, part: "_StepBuild") -> None:
+        """Count ``part`` in this build (for a flight's accounting: sizes, chunks, jobs)."""
+        self.feeds += part.feeds
+        self.prompt += part.prompt
+        self.chunks += part.chunks
+        self.jobs.update(part.jobs)
 
     @property
     def prefill_tokens(self) -> int:
@@ -358,6 +387,17 @@ class _StepBuild:
     def with_prompt_chunk(self, seq_id: int, count: int) -> Step:
         """This step plus the first ``count`` prompt tokens of a new sequence."""
         return Step(tuple(self.seq_ids) + (seq_id,) * count, tuple(self.positions) + tuple(range(count)))
+
+
+@dataclass
+class _InFlight:
+    """A dispatched forward whose token ids the host has not read yet."""
+
+    build: _StepBuild
+    ids: Optional["mx.array"]  # one drawn token per entry of ``draws``; None when none
+    logits: "mx.array"
+    draws: list[tuple[_Job, _Sample, bool]]  # (job, sample, is its first token)
+    dispatched: float
 
 
 def footprint(kind: str, prompt_len: int, n: int, final_len: int) -> int:
@@ -398,7 +438,10 @@ class Engine:
             raise EngineError(f"the engine batches over {' or '.join(BATCHED_KINDS)}, not {kind!r}")
         # Imported here so that building requests (and the server's parsing and command
         # line) does not load MLX.
+        from . import device_sampling
         from .session import Session
+
+        self._sampling = device_sampling
 
         self.session = Session(
             program, kind, capacity=capacity, kv_dtype=kv_dtype,
@@ -429,6 +472,8 @@ class Engine:
         self._slots = 0  # decode slots (samples) reserved by admitted jobs
         self._worker: Optional[threading.Thread] = None
         self._stopping = False
+        self._in_flight: Optional[_InFlight] = None
+        self._last_read = 0.0  # when the host last read a forward's token ids
 
     # -- submitting (any thread) ----------------------------------------------------------
     def submit(self, request: Request, on_event: Optional[Callable[[Event], None]] = None) -> RequestHandle:
@@ -443,10 +488,14 @@ class Engine:
         """
         ids = self._prompt_ids(request)
         cap, units = self._limits(request, len(ids))
+        try:
+            stops = StopStrings.of(request.stop)
+        except StopStringError as exc:
+            raise EngineError(str(exc)) from None
         with self._wake:
             handle = RequestHandle(self._next_id, request, len(ids), on_event)
             self._next_id += 1
-            self._inbox.append(_Job(handle, ids, cap, units, self._new_samples(request)))
+            self._inbox.append(_Job(handle, ids, cap, units, self._new_samples(request, stops)))
             self._wake.notify()
         return handle
 
@@ -481,8 +530,6 @@ class Engine:
             raise EngineError(f"n must be a positive integer, got {n!r}")
         if isinstance(request.max_tokens, bool) or not isinstance(request.max_tokens, int) or request.max_tokens < 1:
             raise EngineError(f"max_tokens must be a positive integer, got {request.max_tokens!r}")
-        if isinstance(request.stop, str) or not all(isinstance(s, str) and s for s in request.stop):
-            raise EngineError(f"stop must be a tuple of non-empty strings, got {request.stop!r}")
         if request.stop and self.codec is None:
             raise EngineError("stop strings need the program's tokenizer; use stop_ids instead")
         if n > self.token_budget:
@@ -508,12 +555,12 @@ class Engine:
         final_len = min(prompt_len + request.max_tokens - 1, cap)
         return cap, footprint(self.kind, prompt_len, n, final_len)
 
-    def _new_samples(self, request: Request) -> list[_Sample]:
+    def _new_samples(self, request: Request, stops: StopStrings) -> list[_Sample]:
         return [
             _Sample(
                 index=i,
-                sampler=Sampler(_seeded(request.sampling, i)),
-                stop_text=StopText(request.stop),
+                stream=self._sampling.TokenStream.start(_seeded(request.sampling, i)),
+                stop_text=StopText(stops),
                 decoder=IncrementalDecoder(self.codec) if self.codec else None,
             )
             for i in range(request.n)
@@ -523,32 +570,21 @@ class Engine:
     @property
     def has_work(self) -> bool:
         with self._lock:
-            return bool(self._inbox or self._waiting or self._active)
+            return bool(self._inbox or self._waiting or self._active or self._in_flight)
 
     def step(self) -> bool:
-        """One iteration: admit, run one forward, sample, finish. False if idle."""
+        """One iteration: admit, dispatch one forward (tokens drawn on the device), then
+        read the previous forward's tokens (emit, stop, finish) while the device computes
+        this one. False if idle."""
         self._take_inbox()
         self._drop_cancelled()
+        previous, self._in_flight = self._in_flight, None
         build = self._build_step()
-        if not build.tokens:
-            return False
-        last = len(build.tokens) - 1
-        rows = [r for r, _, _ in build.rows] or [last]  # the program needs at least one row
-        t0 = time.perf_counter()
-        try:
-            logits = self.session.forward(build.tokens, build.positions, build.seq_ids, rows)
-            logits_np = np.array(logits)
-        except Exception as exc:  # the step is aborted; fail only the requests in it
-            for job in build.jobs.values():
-                self._fail(job, f"the forward failed: {type(exc).__name__}: {exc}")
-            return True
-        self._account(build, time.perf_counter() - t0)
-        for k, (_, job, sample) in enumerate(build.rows):
-            if sample is None:
-                self._start_samples(job, logits_np[k])
-            else:
-                self._accept(job, sample, sample.sampler(logits_np[k]))
-        return True
+        if build.size:
+            self._in_flight = self._dispatch(build, previous)
+        if previous is not None:
+            self._read(previous)
+        return bool(build.size) or previous is not None
 
     def run(self) -> None:
         """Iterate on the calling thread until every submitted request has ended."""
@@ -574,13 +610,14 @@ class Engine:
             self._worker.join(timeout)
             self._worker = None
         self._take_inbox()
+        self._in_flight = None
         for job in list(self._waiting) + list(self._active):
             self._fail(job, "the engine stopped before the request finished")
 
     def _loop(self) -> None:
         while True:
             with self._wake:
-                while not self._stopping and not (self._inbox or self._waiting or self._active):
+                while not self._stopping and not (self._inbox or self._waiting or self._active or self._in_flight):
                     self._wake.wait()
                 if self._stopping:
                     return
@@ -597,7 +634,7 @@ class Engine:
         for job in self._active:
             for s in job.samples:
                 if s.seq_id is not None and s.finish_reason is None:
-                    out.append(SequenceState(job.handle.id, s.index, s.seq_id, s.length))
+                    out.append(SequenceState(job.handle.id, s.index, s.seq_id, s.length, s.drawn - len(s.tokens)))
         return out
 
     def waiting(self) -> list[RequestHandle]:
@@ -614,21 +651,23 @@ class Engine:
             self._waiting.remove(job)
             job.handle._close(Status.CANCELLED, Event(job.handle.id, 0, finish_reason="cancelled"))
         for job in [j for j in self._active if j.handle._cancelled.is_set()]:
-            for sample in job.samples:
-                if sample.finish_reason is None:
-                    self._finish(job, sample, "cancelled")
+            try:
+                for sample in job.samples:
+                    if sample.finish_reason is None:
+                        self._finish(job, sample, "cancelled")
+            except Exception as exc:
+                self._fail(job, f"cancelling the request failed: {type(exc).__name__}: {exc}")
 
     def _build_step(self) -> _StepBuild:
         build = _StepBuild()
         for job in self._active:
             for sample in job.live:
                 if sample.pending is not None:
-                    build.rows.append((len(build.tokens), job, sample))
-                    build.add(job, sample.seq_id, [sample.pending], sample.length)  # type: ignore[arg-type]
+                    build.add_decode(job, sample)
         for job in self._active:
-            if job.fed < job.prompt_len and len(build.tokens) < self.token_budget:
+            if job.fed < job.prompt_len and build.size < self.token_budget:
                 self._add_chunk(build, job, job.samples[0].seq_id)  # type: ignore[arg-type]
-        while self._waiting and len(build.tokens) < self.token_budget:
+        while self._waiting and build.size < self.token_budget:
             head = self._waiting[0]
             if not self._admit(head, build):
                 if not self._active:
@@ -641,13 +680,13 @@ class Engine:
         return build
 
     def _chunk_len(self, job: _Job, build: _StepBuild) -> int:
-        return min(job.prompt_len - job.fed, self.token_budget - len(build.tokens))
+        return min(job.prompt_len - job.fed, self.token_budget - build.size)
 
     def _add_chunk(self, build: _StepBuild, job: _Job, seq_id: int) -> None:
         count = self._chunk_len(job, build)
         build.add(job, seq_id, job.ids[job.fed : job.fed + count], job.fed)
         if job.fed + count == job.prompt_len:
-            build.rows.append((len(build.tokens) - 1, job, None))
+            build.rows.append((build.size - 1, job, None))
         build.chunks.append((job, count))
 
     def _admit(self, job: _Job, build: _StepBuild) -> bool:
@@ -684,34 +723,149 @@ class Engine:
         job.handle.waiting_reason = reason
         return False
 
-    def _account(self, build: _StepBuild, seconds: float) -> None:
+    def _dispatch(self, build: _StepBuild, previous: Optional[_InFlight]) -> Optional[_InFlight]:
+        """Queue the step's forward and its draws on the device; None if it failed.
+
+        A failed forward leaves the cache as it was (the session aborts the step). With
+        one request in the step, that request failed; with several, each runs alone, so
+        only those whose own forward fails end.
+        """
+        import mlx.core as mx
+
+        dispatched = time.perf_counter()
+        try:
+            ids, logits, draws = self._queue(build, previous)
+        except Exception as exc:
+            if len(build.jobs) == 1:
+                self._fail_step(build, exc)
+                return None
+            return self._dispatch_alone(build, previous, dispatched)
+        # A step that only prefills draws nothing; its logits stand for its work.
+        mx.async_eval(ids if ids is not None else logits)
+        self._advance(build, draws)
+        return _InFlight(build, ids, logits, draws, dispatched)
+
+    def _queue(self, build: _StepBuild, previous: Optional[_InFlight]):
+        """The step's forward and draws, lazy: ``(ids or None, logits, draws)``."""
+        import mlx.core as mx
+
+        draws: list[tuple[_Job, _Sample, bool]] = []
+        draw_rows: list[int] = []
+        for k, (_, job, sample) in enumerate(build.rows):
+            for s in job.samples if sample is None else [sample]:
+                draws.append((job, s, sample is None))
+                draw_rows.append(k)
+        tokens = mx.array(build.prompt, dtype=mx.int64)
+        if build.feeds:
+            assert previous is not None  # a sample is fed only what the previous forward drew
+            fed = previous.ids
+            if build.feeds != list(range(len(previous.draws))):
+                fed = fed[mx.array(build.feeds)]
+            tokens = mx.concatenate([fed.astype(mx.int64), tokens])
+        rows = [r for r, _, _ in build.rows] or [build.size - 1]  # the program needs at least one row
+        logits = self.session.forward(tokens, build.positions, build.seq_ids, rows, evaluate=False)
+        try:
+            ids = self._sampling.draw(logits, [s.stream for _, s, _ in draws], draw_rows) if draws else None
+        except Exception:  # the cache holds the step already: take it back before retrying
+            self._rewind_step(build)
+            raise
+        return ids, logits, draws
+
+    def _rewind_step(self, build: _StepBuild) -> None:
+        """Undo a step the cache has committed: each sequence back to where the step began."""
+        start: dict[int, int] = {}
+        for seq, pos in zip(build.seq_ids, build.positions):
+            start[seq] = min(pos, start.get(seq, pos))
+        for seq, pos in start.items():
+            self.cache.rewind(seq, pos)
+
+    def _dispatch_alone(self, build: _StepBuild, previous: Optional[_InFlight],
+                        dispatched: float) -> Optional[_InFlight]:
+        """Run each request of a failed step alone, evaluated at once (failures are rare;
+        this keeps each one's error its own), as one flight of the parts that worked."""
+        import mlx.core as mx
+
+        ids: list = []
+        draws: list[tuple[_Job, _Sample, bool]] = []
+        kept = _StepBuild()
+        last = None
+        for job in list(build.jobs.values()):
+            part = build.only(job)
+            try:
+                part_ids, logits, part_draws = self._queue(part, previous)
+                mx.eval(part_ids if part_ids is not None else logits)
+            except Exception as exc:
+                self._fail_step(part, exc)
+                continue
+            self._advance(part, part_draws, first_draw=len(draws))
+            ids += [part_ids] if part_ids is not None else []
+            draws += part_draws
+            kept.absorb(part)
+            last = logits
+        if last is None:
+            return None
+        return _InFlight(kept, mx.concatenate(ids) if ids else None, last, draws, dispatched)
+
+    def _advance(self, build: _StepBuild, draws: list[tuple[_Job, _Sample, bool]], first_draw: int = 0) -> None:
+        """The host's account of a dispatched step: positions held, forks, draws."""
         for job, count in build.chunks:
             job.fed += count
             job.samples[0].length = job.fed
-        for _, _, sample in build.rows:
+        for _, job, sample in build.rows:
             if sample is not None:
                 sample.length += 1
-                sample.pending = None
+            else:  # the prompt is in: one sequence per extra sample
+                first = job.samples[0]
+                for fork in job.samples[1:]:
+                    fork.seq_id = self.cache.seq_clone(first.seq_id, job.prompt_len)
+                    fork.length = job.prompt_len
+        for i, (job, sample, _) in enumerate(draws):
+            sample.drawn += 1
+            # Fed next step unless it is the last token or its sequence is full.
+            more = sample.drawn < job.handle.request.max_tokens and sample.length + 1 <= job.cap
+            sample.pending = first_draw + i if more else None
+
+    def _read(self, flight: _InFlight) -> None:
+        """Wait for a dispatched step's token ids, then emit them and end what they end."""
+        import mlx.core as mx
+
+        try:
+            if flight.ids is None:
+                mx.eval(flight.logits)
+            ids = flight.ids.tolist() if flight.ids is not None else []
+        except Exception as exc:
+            self._fail_step(flight.build, exc)
+            return
+        now = time.perf_counter()
+        # The device runs steps in order: this one started when dispatched or when the
+        # previous one was read, whichever came later.
+        self._count(flight.build, now - max(flight.dispatched, self._last_read))
+        self._last_read = now
+        for (job, sample, first), token in zip(flight.draws, ids):
+            if sample.finish_reason is not None:  # ended (stop, cancel, failure) after dispatch
+                continue
+            if first and job.handle.status == Status.PREFILL:
+                job.handle.status = Status.DECODING
+                job.handle.stats.first_token = now
+            try:  # detokenizing or a stop check that fails ends this request only
+                self._accept(job, sample, int(token), first_token=first)
+            except Exception as exc:
+                self._fail(job, f"the request failed after its forward: {type(exc).__name__}: {exc}")
+
+    def _fail_step(self, build: _StepBuild, exc: Exception) -> None:
+        for job in build.jobs.values():
+            self._fail(job, f"the forward failed: {type(exc).__name__}: {exc}")
+
+    def _count(self, build: _StepBuild, seconds: float) -> None:
         st = self.stats
         st.steps += 1
-        st.step_tokens += len(build.tokens)
+        st.step_tokens += build.size
         st.prompt_tokens += build.prefill_tokens
         st.busy_seconds += seconds
         if not build.chunks:
             st.decode_steps += 1
-            st.decode_tokens += len(build.tokens)
+            st.decode_tokens += build.size
             st.decode_seconds += seconds
-
-    def _start_samples(self, job: _Job, row: np.ndarray) -> None:
-        """The prompt is in: fork one sequence per extra sample, then draw first tokens."""
-        first = job.samples[0]
-        for sample in job.samples[1:]:
-            sample.seq_id = self.cache.seq_clone(first.seq_id, job.prompt_len)
-            sample.length = job.prompt_len
-        job.handle.status = Status.DECODING
-        job.handle.stats.first_token = time.perf_counter()
-        for sample in job.samples:
-            self._accept(job, sample, sample.sampler(row), first_token=True)
 
     def _accept(self, job: _Job, sample: _Sample, token: int, first_token: bool = False) -> None:
         sample.tokens.append(token)
@@ -725,16 +879,14 @@ class Engine:
             reason = "stop"
         elif token in request.stop_ids or (token in self.eos_ids and not request.ignore_eos):
             reason = "stop"
+        elif sample.drawn > len(sample.tokens):  # its next token is being drawn
+            reason = None
         elif len(sample.tokens) >= request.max_tokens:
             reason = "length"
-        elif sample.length + 1 > job.cap:
+        else:
             reason = "capacity"
-        else:
-            reason = None
         job.handle._emit(Event(job.handle.id, sample.index, token, piece))
-        if reason is None:
-            sample.pending = token
-        else:
+        if reason is not None:
             self._finish(job, sample, reason)
 
     def _finish(self, job: _Job, sample: _Sample, reason: str) -> None:
@@ -752,6 +904,7 @@ class Engine:
                 self.cache.rewind(sample.seq_id, kept)
                 sample.length = kept
             self.cache.seq_rm(sample.seq_id)
+            sample.seq_id = None
         event = Event(job.handle.id, sample.index, text=tail, finish_reason=reason)
         if all(s.finish_reason is not None for s in job.samples):
             self._complete(job, event)
@@ -779,8 +932,9 @@ class Engine:
         if job.handle.status in FINISHED:
             return
         for sample in job.samples:
-            if sample.seq_id is not None and sample.finish_reason is None:
+            if sample.seq_id is not None:  # still in the cache, even if it failed while finishing
                 self.cache.seq_rm(sample.seq_id)
+                sample.seq_id = None
             sample.finish_reason = sample.finish_reason or "error"
         if job in self._waiting:
             self._waiting.remove(job)

@@ -5,14 +5,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence, Union
 
-import numpy as np
-
 import mlx_pte.runtime.mlx.blas  # noqa: F401  (before mlx.core: fast BLAS)
 import mlx.core as mx
 
 from mlx_pte.runtime.cache import CacheRefused, Step
 
-from .sampling import Sampler, SamplingParams
+from .device_sampling import TokenStream, draw
+from .sampling import SamplingParams
 from .session import Session
 from .text import IncrementalDecoder, TextCodec
 
@@ -47,14 +46,6 @@ def _room(session: Session, seq_id: Optional[int], n: int) -> Optional[str]:
         return session.cache.can_extend(n).reason
     start = session.cache.pos(seq_id)
     return session.cache.check_step(Step.run(start, min(n, session.max_step), seq_id)).reason
-
-
-def _choose(sampler: Sampler, logits_row: mx.array) -> mx.array:
-    """The next token as an int64 scalar: argmax on device when greedy (no copy of the
-    logits to the host, no wait), else drawn on the host from the logits."""
-    if sampler.params.greedy:
-        return mx.argmax(logits_row).astype(mx.int64)
-    return mx.array(sampler(np.array(logits_row)), dtype=mx.int64)
 
 
 def _rewind_one(session: Session, seq_id: Optional[int]) -> None:
@@ -98,7 +89,7 @@ def _generate(session, ids, seq_id, max_new_tokens, sampling, codec, on_text, st
     if reason:
         raise GenerationError(f"the prompt ({len(ids)} tokens) does not fit: {reason}")
     result = GenerationResult(prompt_tokens=len(ids))
-    sampler = Sampler(sampling)
+    stream = TokenStream.start(sampling)
     eos = set(session.manifest.eos_token_ids) if stop_on_eos else set()
     decoder = IncrementalDecoder(codec) if codec else None
 
@@ -110,7 +101,8 @@ def _generate(session, ids, seq_id, max_new_tokens, sampling, codec, on_text, st
             logits = session.forward(chunk, seq_ids=seq_id, rows=[len(chunk) - 1], evaluate=False)
         except CacheRefused as refused:
             raise GenerationError(f"the prompt does not fit: {refused.reason}") from None
-    pending = _choose(sampler, logits[0])
+    # Tokens are chosen on the device: only their ids come back, never the logits.
+    pending = draw(logits, [stream])
     t1 = 0.0
     while True:
         # The next step is built from the still-unevaluated token, so the host builds step
@@ -118,7 +110,7 @@ def _generate(session, ids, seq_id, max_new_tokens, sampling, codec, on_text, st
         more = len(result.tokens) + 1 < max_new_tokens and not _room(session, seq_id, 1)
         if more:
             logits = session.forward(pending, seq_ids=seq_id, evaluate=False)
-            following = _choose(sampler, logits[0])
+            following = draw(logits, [stream])
             mx.async_eval(following)
         token = int(pending.item())
         if not result.tokens:

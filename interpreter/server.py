@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import logging
 import time
 import uuid
 from dataclasses import dataclass
@@ -21,12 +22,29 @@ from pathlib import Path
 from typing import Any, AsyncIterator, Mapping, Optional
 
 from .engine import Completion, Engine, EngineError, Event, Request
-from .sampling import SamplingError, SamplingParams
+from .request_body import (
+    DEFAULT_BODY_TIMEOUT,
+    DEFAULT_MAX_BODY_BYTES,
+    MAX_DEPTH,
+    MAX_INT_DIGITS,
+    BodyError,
+    BodyLimits,
+    ClientGone,
+    check_value,
+    parse_json,
+    read_body,
+)
+from .sampling import GREEDY_TEMPERATURE, SamplingError, SamplingParams
+from .stops import MAX_STOP_CHARS, MAX_STOPS, StopStringError, StopStrings
 from .text import TokenizerMissing
 
+log = logging.getLogger("uvicorn.error")  # uvicorn configures it: one line per event in its log
+
+# Kept here (not imported from slow_clients) so the command line does not import uvicorn.
+DEFAULT_HEADER_TIMEOUT = 10.0
+DEFAULT_KEEP_ALIVE = 5.0  # uvicorn's default
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions
 DEFAULT_CHAT_TOKENS = 256
-MAX_STOPS = 4
 # Finish reasons in OpenAI's vocabulary: running out of cache is a length limit too.
 FINISH_REASONS = {"stop": "stop", "length": "length", "capacity": "length"}
 # Parameters this server cannot honour: a request asking for them is refused, not ignored.
@@ -83,11 +101,12 @@ def _stops(body: Mapping) -> tuple[str, ...]:
     if stop is None:
         return ()
     stops = [stop] if isinstance(stop, str) else stop
-    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+    if not isinstance(stops, list):
         raise ApiError(400, "'stop' must be a non-empty string or a list of them", "stop")
-    if len(stops) > MAX_STOPS:
-        raise ApiError(400, f"'stop' takes at most {MAX_STOPS} strings, got {len(stops)}", "stop")
-    return tuple(stops)
+    try:
+        return StopStrings.of(stops).strings
+    except StopStringError as exc:
+        raise ApiError(400, f"'stop': {exc}", "stop") from None
 
 
 def _prompt(body: Mapping, engine: Engine) -> list[int]:
@@ -133,12 +152,18 @@ def _chat_prompt(body: Mapping, engine: Engine) -> list[int]:
 def parse_request(body: Any, engine: Engine, chat: bool) -> ApiRequest:
     """An OpenAI completion (``chat=False``) or chat completion body as an engine Request.
 
+    Tokenizes (and renders the chat template): call it off the event loop.
+
     Raises:
         ApiError: a malformed body, an unsupported parameter, or a prompt plus
             ``max_tokens`` longer than the model's context.
     """
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
+    try:
+        check_value(body)  # depth and lone surrogates, before any field is used
+    except BodyError as exc:
+        raise ApiError(exc.status, str(exc)) from None
     for name in UNSUPPORTED:
         if body.get(name) not in (None, False, 0, {}, []):
             raise ApiError(400, f"'{name}' is not supported by this server; remove it", name)
@@ -267,25 +292,68 @@ class _Listener:
             yield event
 
 
-def create_app(engine: Engine, model_id: str):
-    """The starlette app serving ``engine`` as ``model_id``; it starts and stops the engine."""
+async def _disconnected(receive) -> None:
+    """Returns when the client has gone (after its body was read, ``receive`` only reports that)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _until_done_or_gone(listener: _Listener, receive) -> bool:
+    """Wait for every event of a non-streaming request; False if the client left first."""
+
+    async def drain() -> None:
+        async for _ in listener.events():
+            pass
+
+    finished = asyncio.ensure_future(drain())
+    gone = asyncio.ensure_future(_disconnected(receive))
+    try:
+        await asyncio.wait({finished, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (finished, gone):
+            task.cancel()
+    if finished.done() and not finished.cancelled():
+        finished.result()  # raises the request's ApiError, if it failed
+        return True
+    return False
+
+
+def _error_response(error: ApiError, close: bool = False):
+    from starlette.responses import JSONResponse
+
+    return JSONResponse(error.body(), status_code=error.status, headers={"connection": "close"} if close else None)
+
+
+def create_app(engine: Engine, model_id: str, limits: BodyLimits = BodyLimits()):
+    """The starlette app serving ``engine`` as ``model_id``; it starts and stops the engine.
+
+    ``limits`` bound each request body (size, and seconds per chunk).
+    """
     from starlette.applications import Starlette
+    from starlette.concurrency import run_in_threadpool
     from starlette.exceptions import HTTPException
     from starlette.requests import Request as HttpRequest
-    from starlette.responses import JSONResponse, StreamingResponse
+    from starlette.responses import JSONResponse, Response, StreamingResponse
     from starlette.routing import Route
 
     created = int(time.time())
 
+    def parse(raw: bytes, chat: bool) -> ApiRequest:  # on a worker thread: parsing and tokenizing
+        try:
+            body = parse_json(raw)
+        except BodyError as exc:
+            raise ApiError(exc.status, str(exc), code=exc.code) from None
+        if isinstance(body, dict) and body.get("model") not in (None, model_id):
+            raise ApiError(404, f"the model {str(body['model'])[:100]!r} does not exist; this server serves "
+                                f"{model_id!r}", "model", "model_not_found")
+        return parse_request(body, engine, chat)
+
     async def run(http: HttpRequest, chat: bool):
         try:
-            body = json.loads(await http.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ApiError(400, f"the request body is not valid JSON ({exc})") from None
-        if isinstance(body, dict) and body.get("model") not in (None, model_id):
-            raise ApiError(404, f"the model {body['model']!r} does not exist; this server serves "
-                                f"{model_id!r}", "model", "model_not_found")
-        parsed = parse_request(body, engine, chat)
+            raw = await read_body(http.receive, http.headers, limits)
+        except BodyError as exc:  # the rest of the body is not read: the connection closes
+            return _error_response(ApiError(exc.status, str(exc), code=exc.code), close=True)
+        parsed = await run_in_threadpool(parse, raw, chat)
         listener = _Listener(parsed.request.n)
         try:
             handle = engine.submit(parsed.request, on_event=listener)
@@ -294,10 +362,11 @@ def create_app(engine: Engine, model_id: str):
         reply = Reply.new(model_id, chat)
         if not parsed.stream:
             try:
-                async for _ in listener.events():
-                    pass
+                if not await _until_done_or_gone(listener, http.receive):
+                    log.info("%s: client disconnected; request %d cancelled", _peer(http), handle.id)
+                    return Response(status_code=204)  # nobody reads it
             finally:
-                if not handle.done:  # the client went away
+                if not handle.done:  # the client went away, or the wait failed
                     handle.cancel()
             return JSONResponse(reply.full(handle.result(timeout=0)))
 
@@ -313,12 +382,33 @@ def create_app(engine: Engine, model_id: str):
                     yield sse(reply.usage_chunk(handle.result(timeout=0)))
             except ApiError as exc:
                 yield sse(exc.body())
+            except Exception as exc:  # headers are sent: the error travels as an event
+                log.error("request %d failed while streaming: %s: %s", handle.id, type(exc).__name__, exc)
+                yield sse(ApiError(500, f"{type(exc).__name__}: {exc}", kind="server_error").body())
             finally:
                 if not handle.done:
                     handle.cancel()
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(stream(), media_type="text/event-stream")
+
+    def guarded(handler):
+        """Every outcome of ``handler`` is a response: errors never reach uvicorn, so the
+        connection stays usable and the log gets one line, not a traceback."""
+
+        async def endpoint(http: HttpRequest):
+            try:
+                return await handler(http)
+            except ApiError as exc:
+                return _error_response(exc)
+            except ClientGone:
+                log.info("%s: client disconnected before its request body was complete", _peer(http))
+                return Response(status_code=204)
+            except Exception as exc:
+                log.error("%s %s failed: %s: %s", http.method, http.url.path, type(exc).__name__, exc)
+                return _error_response(ApiError(500, f"{type(exc).__name__}: {exc}", kind="server_error"))
+
+        return endpoint
 
     async def completions(http: HttpRequest):
         return await run(http, chat=False)
@@ -333,15 +423,8 @@ def create_app(engine: Engine, model_id: str):
     async def health(_: HttpRequest):
         return JSONResponse({"status": "ok"})
 
-    async def api_error(_: HttpRequest, exc: ApiError):
-        return JSONResponse(exc.body(), status_code=exc.status)
-
     async def http_error(_: HttpRequest, exc: HTTPException):
-        return JSONResponse(ApiError(exc.status_code, str(exc.detail)).body(), status_code=exc.status_code)
-
-    async def server_error(_: HttpRequest, exc: Exception):
-        error = ApiError(500, f"{type(exc).__name__}: {exc}", kind="server_error")
-        return JSONResponse(error.body(), status_code=500)
+        return _error_response(ApiError(exc.status_code, str(exc.detail)))
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
@@ -353,14 +436,19 @@ def create_app(engine: Engine, model_id: str):
 
     return Starlette(
         routes=[
-            Route("/v1/completions", completions, methods=["POST"]),
-            Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-            Route("/v1/models", models, methods=["GET"]),
-            Route("/health", health, methods=["GET"]),
+            Route("/v1/completions", guarded(completions), methods=["POST"]),
+            Route("/v1/chat/completions", guarded(chat_completions), methods=["POST"]),
+            Route("/v1/models", guarded(models), methods=["GET"]),
+            Route("/health", guarded(health), methods=["GET"]),
         ],
-        exception_handlers={ApiError: api_error, HTTPException: http_error, Exception: server_error},
+        exception_handlers={HTTPException: http_error},
         lifespan=lifespan,
     )
+
+
+def _peer(http) -> str:
+    client = http.client
+    return f"{client.host}:{client.port}" if client else "client"
 
 
 # -- command line ---------------------------------------------------------------------------
@@ -391,7 +479,37 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="cache kind (default: batched-sequence)")
     parser.add_argument("--kv-dtype", default=None, choices=("float32", "float16", "bfloat16"),
                         help="K/V storage dtype (default: the model's dtype)")
+    parser.add_argument("--max-body-bytes", type=_positive(int), default=DEFAULT_MAX_BODY_BYTES,
+                        help=f"largest request body; larger ones get 413 (default: {DEFAULT_MAX_BODY_BYTES})")
+    parser.add_argument("--header-timeout", type=_positive(float), default=DEFAULT_HEADER_TIMEOUT,
+                        help="seconds a client has to send a request's headers, else 408 and close "
+                             f"(default: {DEFAULT_HEADER_TIMEOUT:g})")
+    parser.add_argument("--body-timeout", type=_positive(float), default=DEFAULT_BODY_TIMEOUT,
+                        help="seconds to wait for each chunk of a request body, else 408 and close "
+                             f"(default: {DEFAULT_BODY_TIMEOUT:g})")
+    parser.add_argument("--keep-alive", type=_positive(float), default=DEFAULT_KEEP_ALIVE,
+                        help=f"seconds an idle keep-alive connection stays open (default: {DEFAULT_KEEP_ALIVE:g})")
     add_batching_arguments(parser)
+    parser.epilog = (
+        f"Limits per request: at most {MAX_STOPS} stop strings of at most {MAX_STOP_CHARS} characters; "
+        f"'seed' in [0, 2**63 - 1]; temperatures below {GREEDY_TEMPERATURE:g} are greedy; the body is "
+        f"JSON nested at most {MAX_DEPTH} deep, integers of at most {MAX_INT_DIGITS} digits, no lone "
+        "surrogates. Bad requests get an OpenAI-shaped 4xx error."
+    )
+
+
+def _positive(kind: type):
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a positive {kind.__name__}, got {text!r}") from None
+        if not 0 < value < float("inf"):  # NaN compares false too
+            raise argparse.ArgumentTypeError(f"expected a positive {kind.__name__}, got {text!r}")
+        return value
+
+    parse.__name__ = kind.__name__
+    return parse
 
 
 def build_engine(model: str, kind: str, capacity: Optional[int] = None, max_batch_tokens: Optional[int] = None,
@@ -412,8 +530,12 @@ def serve_main(args: argparse.Namespace) -> int:
     """``mlx-pte serve MODEL.pte [...]`` (arguments: ``add_serve_arguments``); serves until interrupted."""
     import uvicorn
 
+    from .slow_clients import header_timeout_protocol
+
     engine = build_engine(args.model, args.cache, args.capacity, args.max_batch_tokens, args.max_seqs,
                           args.kv_dtype, args.tokenizer)
-    app = create_app(engine, args.model_id or Path(args.model).stem)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    app = create_app(engine, args.model_id or Path(args.model).stem,
+                     BodyLimits(args.max_body_bytes, args.body_timeout))
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info",
+                http=header_timeout_protocol(args.header_timeout), timeout_keep_alive=args.keep_alive)
     return 0

@@ -5,7 +5,7 @@ from pathlib import Path
 from typing import Callable
 
 import pytest
-import torch
+import torch  # before anything loads OpenBLAS (see mlx_pte/runtime/mlx/blas.py)
 
 from tests.fixtures.tiny_models import build_tiny_checkpoint, build_tokenizer
 

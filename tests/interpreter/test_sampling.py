@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from mlx_pte.interpreter.sampling import Sampler, SamplingError, SamplingParams
+from mlx_pte.interpreter.sampling import GREEDY_TEMPERATURE, MAX_SEED, Sampler, SamplingError, SamplingParams
 
 
 def brute_force(row, temperature, top_k, top_p):
@@ -77,3 +77,43 @@ def test_draws_follow_the_distribution_and_repeat_per_seed():
 def test_bad_parameters_are_refused(kwargs):
     with pytest.raises(SamplingError):
         SamplingParams(**kwargs)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    row=st.lists(st.floats(-1e308, 1e308, allow_nan=False, allow_infinity=False), min_size=1, max_size=16),
+    temperature=st.one_of(st.floats(0.0, 1e308, allow_nan=False), st.sampled_from([5e-324, 1e-320, 1e-6])),
+    top_k=st.integers(0, 20),
+    top_p=st.one_of(st.floats(5e-324, 1.0, exclude_min=False), st.just(1.0)),
+)
+def test_every_accepted_parameter_gives_a_distribution(row, temperature, top_k, top_p):
+    row = np.array(row)
+    sampler = Sampler(SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=0))
+    token = sampler(row)
+    assert 0 <= token < len(row)
+    if temperature < GREEDY_TEMPERATURE:  # greedy: the first best logit
+        assert token == int(np.argmax(row))
+    else:
+        probs = sampler.probabilities(row)
+        assert np.isfinite(probs).all() and probs.min() >= 0
+        np.testing.assert_allclose(probs.sum(), 1.0, atol=1e-9)
+        assert probs[np.argmax(row)] == probs.max()  # the best token is never filtered out
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(temperature=float("nan")), dict(temperature=float("inf")), dict(top_p=float("nan")),
+    dict(seed=-1), dict(seed=2**63), dict(seed=1.5), dict(seed=True),
+])
+def test_non_finite_and_out_of_range_parameters_are_refused(kwargs):
+    with pytest.raises(SamplingError):
+        SamplingParams(**kwargs)
+
+
+def test_seed_bounds_are_accepted():
+    for seed in (0, MAX_SEED):
+        Sampler(SamplingParams(temperature=1.0, seed=seed))(np.zeros(4))
+
+
+def test_non_finite_logits_are_a_sampling_error():
+    with pytest.raises(SamplingError, match="inf or NaN"):
+        Sampler(SamplingParams(temperature=1.0))(np.array([0.0, np.nan]))

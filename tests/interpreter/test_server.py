@@ -6,48 +6,29 @@ requests sharing the engine must each get exactly what they would get alone.
 from __future__ import annotations
 
 import json
-import socket
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-import uvicorn
 
 from mlx_pte.interpreter.engine import Engine
 from mlx_pte.interpreter.server import create_app
 from mlx_pte.interpreter.text import TextCodec
 from mlx_pte.ir.manifest import Manifest
+from tests.interpreter.live_server import serving
 
 
 MODEL = "tiny-llama"
 TIMEOUT = 60.0
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def served(program):  # noqa: F811
     """``(base url, engine)`` of a server running until the module's tests end."""
     engine = Engine(program, "batched-cell", capacity=600, max_batch_tokens=24)
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(engine, MODEL), host="127.0.0.1", port=port,
-                                           log_level="warning", lifespan="on"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + TIMEOUT
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.02)
-    yield f"http://127.0.0.1:{port}", engine
-    server.should_exit = True
-    thread.join(TIMEOUT)
-    assert not thread.is_alive(), "the server did not stop"
+    with serving(create_app(engine, MODEL)) as url:
+        yield url, engine
     assert engine.cache.live_seqs() == ()
 
 

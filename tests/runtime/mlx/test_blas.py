@@ -53,3 +53,56 @@ def test_macos_uses_accelerate_and_loads_nothing(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert blas.load() is None
+
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def torch_sgemm_library(code: str, tmp_path: Path) -> str:
+    """Where ``libtorch_cpu``'s ``sgemm_`` binds in a fresh process running ``code``
+    (glibc's LD_DEBUG trace of symbol bindings)."""
+    trace = tmp_path / "bindings"
+    env = {"PATH": "/usr/bin:/bin", "LD_DEBUG": "bindings", "LD_DEBUG_OUTPUT": str(trace), "PYTHONPATH": str(REPO)}
+    subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True)
+    for part in tmp_path.glob("bindings.*"):
+        for line in part.read_text(errors="replace").splitlines():
+            if "libtorch_cpu.so" in line.split(" to ")[0] and line.endswith("symbol `sgemm_'"):
+                return line.split(" to ")[1].split(" ")[0]
+    raise AssertionError(f"no binding of libtorch_cpu's sgemm_ traced for {code!r}")
+
+
+needs_openblas = pytest.mark.skipif(
+    sys.platform != "linux" or blas.loaded_path() is None, reason="needs glibc and a system OpenBLAS"
+)
+
+
+@needs_openblas
+def test_torch_imported_after_the_loader_calls_openblas(tmp_path):
+    # The failure mode itself, so the checks below can fail.
+    library = torch_sgemm_library("import mlx_pte.runtime.mlx.blas, torch", tmp_path)
+    assert "openblas" in library
+
+
+@needs_openblas
+def test_the_test_suite_imports_torch_before_the_loader(tmp_path):
+    code = "import tests.conftest, mlx_pte.interpreter.session, torch; torch.ones(4, 4) @ torch.ones(4, 4)"
+    assert torch_sgemm_library(code, tmp_path).endswith("libtorch_cpu.so")
+
+
+@needs_openblas
+@pytest.mark.slow
+def test_the_decode_bench_imports_torch_before_the_loader(tmp_path):
+    # The mlx-pte job imports everything, then fails on the missing checkpoint.
+    job = '{"engine": "mlx-pte", "model_dir": "/nonexistent", "prompt": [1], "generate": 2}'
+    code = f"import sys; sys.argv = ['decode.py', '--engine-job', {job!r}]; import runpy; runpy.run_path('bench/decode.py', run_name='__main__')"
+    assert torch_sgemm_library(code, tmp_path).endswith("libtorch_cpu.so")
+
+
+def test_the_export_package_warns_when_torch_comes_after_the_loader():
+    code = "import mlx_pte.runtime.mlx.blas, mlx_pte.export"
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    if blas.loaded_path() is not None:
+        assert "import torch (or mlx_pte.export) before" in out.stderr
+    quiet = subprocess.run([sys.executable, "-c", "import torch, mlx_pte.runtime.mlx.blas, mlx_pte.export"],
+                           cwd=REPO, capture_output=True, text=True, check=True)
+    assert "OpenBLAS was loaded before torch" not in quiet.stderr
