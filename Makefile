@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+UPSTREAM := ir/upstream/_generated/schema_generated.py
 
 .PHONY: test test-slow demo bench blas schemas clean
 
@@ -11,6 +12,12 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
+
+# upstream ExecuTorch's MLX backend: generate the files its wheel lacks, and mlx-pte's
+# reader of its payload (ignored by git), from the installed schema (idempotent).
+$(UPSTREAM): $(STAMP) scripts/prepare_upstream_mlx.py
+	$(PY) scripts/prepare_upstream_mlx.py
+	touch $(UPSTREAM)
 
 # MLX's Linux CPU wheel links a reference BLAS; an optimized one is ~30x faster.
 # Installed only when running as root on a Debian-like system that lacks it.
@@ -22,10 +29,10 @@ blas:
 	    || echo "warning: could not install libopenblas0-pthread; MLX will use its slow reference BLAS"; \
 	fi
 
-test: $(STAMP) blas
+test: $(UPSTREAM) blas
 	$(PY) -m pytest -q
 
-test-slow: $(STAMP) blas
+test-slow: $(UPSTREAM) blas
 	$(PY) -m pytest -q -m slow
 
 bench: $(STAMP) blas

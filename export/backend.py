@@ -16,11 +16,11 @@ from executorch.exir.lowered_backend_module import LoweredBackendModule
 from torch.export import ExportedProgram
 
 from mlx_pte.ir.payload import encode_payload
+from mlx_pte.ir.pte import BACKEND_ID
 
 from .errors import ExportError
 from .lowering import Signature, lower_program
 
-BACKEND_ID = "MLXBackend"
 MANIFEST_SPEC = "manifest"
 SIGNATURE_SPEC = "signature"
 
@@ -51,10 +51,13 @@ def _spec(specs: list[CompileSpec], key: str) -> bytes:
     for spec in specs:
         if spec.key == key:
             return bytes(spec.value)
-    raise ExportError(f"MLXBackend needs the {key!r} compile spec: lower with MLXPartitioner")
+    raise ExportError(f"{BACKEND_ID} needs the {key!r} compile spec: lower with MLXPtePartitioner")
 
 
-class MLXBackend(BackendDetails):
+class MLXPteBackend(BackendDetails):
+    """mlx-pte's backend; named apart from upstream ExecuTorch's ``MLXBackend``, since
+    ExecuTorch resolves a delegate's backend by class name."""
+
     @staticmethod
     def preprocess(edge_program: ExportedProgram, compile_specs: list[CompileSpec]) -> PreprocessResult:
         graph, constants = lower_program(edge_program, Signature.from_json(_spec(compile_specs, SIGNATURE_SPEC)))
@@ -62,4 +65,4 @@ class MLXBackend(BackendDetails):
         return PreprocessResult(encode_payload(graph, constants, manifest))
 
 
-assert MLXBackend.__name__ == BACKEND_ID  # executorch finds backends by class name
+assert MLXPteBackend.__name__ == BACKEND_ID  # executorch finds backends by class name

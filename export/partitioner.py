@@ -1,4 +1,4 @@
-"""The partitioner: delegate the WHOLE edge graph to ``MLXBackend`` or fail.
+"""The partitioner: delegate the WHOLE edge graph to ``MLXPteBackend`` or fail.
 
 A graph with any op the lowering table does not accept is an export error listing every
 such op with its count; a partial delegation (CPU islands between MLX ones) is never made.
@@ -31,8 +31,8 @@ PRESERVED_OPS = (
 TAG = "mlx_0"
 
 
-class MLXPartitioner(Partitioner):
-    """Tags every compute node for ``MLXBackend``.
+class MLXPtePartitioner(Partitioner):
+    """Tags every compute node for ``MLXPteBackend``.
 
     Args:
         manifest: JSON-serializable metadata handed to ``preprocess`` as a compile spec.

@@ -15,7 +15,7 @@ from torch.export import ExportedProgram
 from .backend import drop_preprocess_specs
 from .errors import OutputPathError
 from .lowering import dim_ranges
-from .partitioner import MLXPartitioner
+from .partitioner import MLXPtePartitioner
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -40,7 +40,7 @@ def export_program(ep: ExportedProgram, out: PathLike, manifest: Optional[Mappin
     """
     edge = to_edge_transform_and_lower(
         ep,
-        partitioner=[MLXPartitioner(manifest or {}, dim_ranges(ep))],
+        partitioner=[MLXPtePartitioner(manifest or {}, dim_ranges(ep))],
         # Non-core ops (linear, rms_norm, the custom op) must survive to the partitioner.
         compile_config=EdgeCompileConfig(_check_ir_validity=False, _skip_dim_order=True),
     )

@@ -238,8 +238,10 @@ def _permute(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx.array:
     return mx.transpose(args[0], attrs["dims"])
 
 
-def _along(dim: int, index: Any) -> tuple:
-    return (slice(None),) * dim + (index,)
+def _along(x: mx.array, dim: int, index: Any) -> tuple:
+    """``index`` applied on axis ``dim`` of ``x`` (a negative dim counts from the end, as in
+    imported upstream programs)."""
+    return (slice(None),) * (dim % x.ndim) + (index,)
 
 
 def _slice_index(x: mx.array, attrs: dict[str, Any]) -> tuple:
@@ -247,7 +249,7 @@ def _slice_index(x: mx.array, attrs: dict[str, Any]) -> tuple:
     dim = attrs["dim"]
     # Resolve Python slice semantics on the host: torch's "to the end" is 2**63-1.
     start, end, step = slice(attrs["start"], attrs["end"], attrs["step"]).indices(x.shape[dim])
-    return _along(dim, slice(start, end, step))
+    return _along(x, dim, slice(start, end, step))
 
 
 @handles("slice")
@@ -270,7 +272,7 @@ def _slice_update(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx.arra
 def _select(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx.array:
     (x,) = args
     dim = attrs["dim"]
-    return x[_along(dim, attrs["index"] % x.shape[dim])]
+    return x[_along(x, dim, attrs["index"] % x.shape[dim])]
 
 
 @handles("unsqueeze")

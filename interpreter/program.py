@@ -19,9 +19,11 @@ from mlx_pte.ir.errors import FormatError
 from mlx_pte.ir.graph import Graph, SlotRef, SymDim, TensorType
 from mlx_pte.ir.payload import Payload
 from mlx_pte.ir.pte import read_pte
+from mlx_pte.ir.upstream.importer import ImportedPayload
 from mlx_pte.runtime.cache import CacheError
 
 from .handlers import HANDLERS, MX_DTYPES, Handler, RunContext
+from .tokenizer_dir import tokenizer_fields
 
 # Numpy dtypes of the stored bytes; bfloat16 is read as uint16 and reinterpreted.
 _NP_STORAGE = {
@@ -114,8 +116,9 @@ class Program:
         self._weight_slots: list[Any] = [self.weights.get(s) for s in range(len(graph.slots))]
 
     @classmethod
-    def from_payload(cls, payload: Payload) -> "Program":
-        """A program from a decoded (hence validated) payload; weights are copied into MLX."""
+    def from_payload(cls, payload: Union[Payload, ImportedPayload]) -> "Program":
+        """A program from a decoded (hence validated) payload, mlx-pte's or an imported
+        upstream one; weights are copied into MLX."""
         graph = payload.graph
         weights = {s: load_weight(payload.constant_bytes(s), graph.slots[s].type) for s in graph.constants()}
         return cls(graph, weights, payload.manifest)
@@ -222,10 +225,20 @@ def _check_shape(name: str, shape: tuple[int, ...], expected: tuple, bound: dict
             raise InputError(f"input {name!r} must have shape {wanted}, got {list(shape)}")
 
 
-def load(path: Union[str, Path]) -> Program:
-    """Read a ``.pte`` written by ``export_program`` and map its weights into MLX once.
+def load(path: Union[str, Path], tokenizer: Optional[Union[str, Path]] = None) -> Program:
+    """Read a ``.pte`` (mlx-pte's own, or upstream ExecuTorch's MLX export) and map its
+    weights into MLX once.
+
+    Args:
+        path: the ``.pte`` file.
+        tokenizer: a Hugging Face checkpoint directory whose tokenizer (and config) replace
+            the file's; upstream files carry none, so text needs one.
 
     Raises:
         FormatError: the file is not such a program, or is truncated or corrupt.
+        TokenizerDirError: ``tokenizer`` is not a usable checkpoint directory.
     """
-    return Program.from_payload(read_pte(path))
+    fields = tokenizer_fields(tokenizer) if tokenizer is not None else {}
+    program = Program.from_payload(read_pte(path))
+    program.manifest.update(fields)
+    return program

@@ -103,9 +103,9 @@ def run_prompts_file(engine: Engine, path: Path, defaults: Optional[Mapping[str,
 def run_prompts_main(args: argparse.Namespace) -> int:
     """``mlx-pte run MODEL.pte --prompts FILE``: ``args`` carries ``model``, ``prompts``,
     ``cache`` (None: batched-sequence), ``kv_dtype``, ``max_new_tokens``, ``temperature``,
-    ``top_k``, ``top_p``, ``seed`` and the options of ``server.add_batching_arguments``."""
+    ``top_k``, ``top_p``, ``seed``, ``tokenizer`` and the options of ``server.add_batching_arguments``."""
     engine = build_engine(args.model, args.cache or KIND_BATCHED_SEQUENCE, args.capacity, args.max_batch_tokens,
-                          args.max_seqs, args.kv_dtype)
+                          args.max_seqs, args.kv_dtype, args.tokenizer)
     defaults = {
         "max_tokens": args.max_new_tokens,
         "temperature": args.temperature,

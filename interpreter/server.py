@@ -461,8 +461,17 @@ def add_batching_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-seqs", type=int, default=None, help="most live sequences")
 
 
+def add_tokenizer_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--tokenizer", metavar="HF_DIR", default=None,
+        help="take the tokenizer (and config) from this Hugging Face checkpoint directory; "
+        "needed for text with upstream ExecuTorch exports, which carry none",
+    )
+
+
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="the .pte file to serve")
+    add_tokenizer_argument(parser)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--model-id", default=None, help="the name clients use (default: the file's stem)")
@@ -504,12 +513,13 @@ def _positive(kind: type):
 
 
 def build_engine(model: str, kind: str, capacity: Optional[int] = None, max_batch_tokens: Optional[int] = None,
-                 max_seqs: Optional[int] = None, kv_dtype: Optional[str] = None) -> Engine:
-    """An engine over the program in the .pte file ``model``; capacity defaults to room for a
-    few full-context requests at once."""
+                 max_seqs: Optional[int] = None, kv_dtype: Optional[str] = None,
+                 tokenizer: Optional[str] = None) -> Engine:
+    """An engine over the program in the .pte file ``model`` (tokenizer: see ``load``);
+    capacity defaults to room for a few full-context requests at once."""
     from .program import load
 
-    program = load(model)
+    program = load(model, tokenizer=tokenizer)
     if capacity is None:
         capacity = 4 * int(program.manifest["max_context"])
     return Engine(program, kind, capacity=capacity, max_batch_tokens=max_batch_tokens, max_seqs=max_seqs,
@@ -523,7 +533,7 @@ def serve_main(args: argparse.Namespace) -> int:
     from .slow_clients import header_timeout_protocol
 
     engine = build_engine(args.model, args.cache, args.capacity, args.max_batch_tokens, args.max_seqs,
-                          args.kv_dtype)
+                          args.kv_dtype, args.tokenizer)
     app = create_app(engine, args.model_id or Path(args.model).stem,
                      BodyLimits(args.max_body_bytes, args.body_timeout))
     uvicorn.run(app, host=args.host, port=args.port, log_level="info",

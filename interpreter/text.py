@@ -38,8 +38,9 @@ class TextCodec:
     def __init__(self, manifest: Manifest) -> None:
         if not manifest.tokenizer:
             raise TokenizerMissing(
-                "this .pte embeds no tokenizer; pass token ids, or re-export from a checkpoint "
-                "directory that has tokenizer.json"
+                "this .pte embeds no tokenizer (upstream ExecuTorch exports carry none): pass "
+                "--tokenizer HF_DIR (load(path, tokenizer=HF_DIR)) naming the model's checkpoint "
+                "directory, or give token ids"
             )
         self._tokenizer = build_tokenizer(manifest.tokenizer)
         self.chat_template = ChatTemplate(manifest.chat_template) if manifest.chat_template else None

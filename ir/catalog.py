@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 from .errors import FormatError, UnknownOpError
-from .graph import DTYPES, Graph, Instruction, ScalarType, SlotRef, SymDim, TensorType
+from .graph import DTYPES, UNTYPED_TENSOR, Graph, Instruction, ScalarType, SlotRef, SymDim, TensorType
 
 # Attribute kinds and the Python values they accept.
 ATTR_KINDS = ("int", "float", "bool", "str", "dtype", "ints", "floats", "int_or_ref", "ints_or_refs")
@@ -92,6 +92,7 @@ class OpSpec:
                 raise FormatError(f"{where}: result slot {slot} must be a {result_type.__name__}")
         known = {a.name: a for a in self.attrs}
         given = dict(instr.attrs)
+        shapes = _Shapes(instr, graph)
         for name in given:
             if name not in known:
                 raise FormatError(f"{where}: unknown attribute {name!r}")
@@ -101,7 +102,8 @@ class OpSpec:
                     raise FormatError(f"{where}: attribute {spec.name!r} is missing")
                 continue
             _check_attr(where, spec, given[spec.name], graph)
-            _check_rule(where, spec, given[spec.name], _Shapes(instr, graph))
+            if shapes.typed:
+                _check_rule(where, spec, given[spec.name], shapes)
 
 
 def _is_int(v: object) -> bool:
@@ -148,6 +150,14 @@ class _Shapes:
     def _shape(self, slot: Optional[int]) -> Optional[tuple]:
         t = self.graph.slots[slot].type if slot is not None else None
         return t.shape if isinstance(t, TensorType) else None
+
+    @property
+    def typed(self) -> bool:
+        """Whether every tensor the rules read records its shape. Temps of an imported upstream
+        program record none (``graph.UNTYPED_TENSOR``); their attributes meet the shapes when
+        the handlers run."""
+        slots = [s for s in (*self.instr.inputs, *self.instr.outputs) if s is not None]
+        return all(self.graph.slots[s].type != UNTYPED_TENSOR for s in slots)
 
     @property
     def rank(self) -> int:

@@ -37,8 +37,14 @@ Dim = Union[int, SymDim]
 
 @dataclass(frozen=True)
 class TensorType:
-    dtype: str
-    shape: tuple[Dim, ...]
+    """A tensor's dtype and shape. Both are None only for a temp whose file records no type
+    (an imported upstream program types its inputs, outputs and constants, not its temps)."""
+
+    dtype: Optional[str]
+    shape: Optional[tuple[Dim, ...]]
+
+
+UNTYPED_TENSOR = TensorType(None, None)
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""The MLXBackend delegate payload: one blob holding the graph, the manifest and every
+"""The MLXPteBackend delegate payload: one blob holding the graph, the manifest and every
 weight, so a single .pte file runs on its own.
 
 Layout (little-endian; offsets from the start of the payload)::
@@ -50,6 +50,7 @@ from .graph import (
     SlotRef,
     SymDim,
     TensorType,
+    UNTYPED_TENSOR,
 )
 
 FORMAT_VERSION: int = 1
@@ -128,7 +129,10 @@ def _check_slot(index: int, slot: Slot) -> None:
     if not isinstance(slot.kind, SlotKind):
         raise FormatError(f"{where} has unknown kind {slot.kind!r}")
     t = slot.type
-    if isinstance(t, TensorType):
+    if t == UNTYPED_TENSOR:
+        if slot.kind is not SlotKind.TEMP:
+            raise FormatError(f"{where}: only a temp may leave its dtype and shape unrecorded")
+    elif isinstance(t, TensorType):
         if t.dtype not in _DTYPE_CODE:
             raise FormatError(f"{where} has unknown dtype {t.dtype!r}")
         for d in t.shape:
@@ -312,6 +316,8 @@ def _build_dim(b: flatbuffers.Builder, dim: Dim) -> int:
 
 
 def _build_slot(b: flatbuffers.Builder, slot: Slot) -> int:
+    if slot.type == UNTYPED_TENSOR:
+        raise FormatError(f"slot {slot.name!r} has no dtype and shape; mlx-pte's payload records every type")
     name = b.CreateString(slot.name)
     shape = None
     if isinstance(slot.type, TensorType):

@@ -24,6 +24,7 @@ from mlx_pte.ir.graph import ScalarType, SymDim, TensorType
 from mlx_pte.ir.manifest import CacheLayerSpec
 from mlx_pte.ir.payload import Payload
 from mlx_pte.ir.pte import read_pte
+from mlx_pte.ir.upstream.importer import ImportedPayload
 from mlx_pte.runtime.cache import KINDS, CacheError
 
 Handler = Callable[[argparse.Namespace], int]
@@ -124,9 +125,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 @command("inspect", "print a .pte file's manifest, ops, inputs/outputs, sizes and cache geometry")
 def inspect_command(parser: argparse.ArgumentParser) -> Handler:
     parser.add_argument("model", help="the .pte file")
+    from mlx_pte.interpreter.server import add_tokenizer_argument
+
+    add_tokenizer_argument(parser)
 
     def run(args: argparse.Namespace) -> int:
         payload = read_pte(args.model)
+        if args.tokenizer is not None:
+            from mlx_pte.interpreter.tokenizer_dir import tokenizer_fields
+
+            payload.manifest.update(tokenizer_fields(args.tokenizer))
         print(f"{args.model}: {os.path.getsize(args.model):,} bytes")
         print("\n".join(describe(payload)))
         return 0
@@ -134,20 +142,21 @@ def inspect_command(parser: argparse.ArgumentParser) -> Handler:
     return run
 
 
-def describe(payload: Payload) -> list[str]:
-    """The inspect report of a decoded payload, as lines."""
+def describe(payload: Payload | ImportedPayload) -> list[str]:
+    """The inspect report of a decoded (or imported upstream) payload, as lines."""
     graph = payload.graph
     kinds = Counter(slot.kind.value for slot in graph.slots)
-    weight_bytes = sum(c.nbytes for c in payload.constants.values())
+    constants = graph.constants()
+    weight_bytes = sum(payload.constant_bytes(s).nbytes for s in constants)
     lines = [
         f"graph: {len(graph.slots)} slots ({kinds['input']} inputs, {kinds['constant']} constants, "
         f"{kinds['temp']} temps), {len(graph.instructions)} instructions",
-        f"weights: {len(payload.constants)} constants, {weight_bytes:,} bytes",
+        f"weights: {len(constants)} constants, {weight_bytes:,} bytes",
     ]
     for title, slots in (("inputs", graph.inputs), ("outputs", graph.outputs)):
         lines.append(f"{title}:")
         lines += _table([(graph.slots[s].name, _type_name(graph.slots[s].type)) for s in slots])
-    shapes = [slot.type.shape for slot in graph.slots if isinstance(slot.type, TensorType)]
+    shapes = [slot.type.shape for slot in graph.slots if isinstance(slot.type, TensorType) and slot.type.shape]
     dims = sorted({d for shape in shapes for d in shape if isinstance(d, SymDim)}, key=lambda d: d.name)
     if dims:
         lines.append("dynamic dims:")
@@ -292,8 +301,9 @@ def run_command(parser: argparse.ArgumentParser) -> Handler:
     parser.add_argument("--max-new-tokens", type=positive_int, default=128,
                         help="most tokens to generate, at least 1 (default 128)")
     add_cache_arguments(parser, None, capacity=False)
-    from mlx_pte.interpreter.server import add_batching_arguments
+    from mlx_pte.interpreter.server import add_batching_arguments, add_tokenizer_argument
 
+    add_tokenizer_argument(parser)
     add_batching_arguments(parser)
     add_sampling_arguments(parser)
 
@@ -310,7 +320,8 @@ def run_command(parser: argparse.ArgumentParser) -> Handler:
         from mlx_pte.interpreter.session import Session
         from mlx_pte.interpreter.text import TextCodec
 
-        session = Session(load(args.model), kind=args.cache or "single", capacity=args.capacity,
+        program = load(args.model, tokenizer=args.tokenizer)
+        session = Session(program, kind=args.cache or "single", capacity=args.capacity,
                           kv_dtype=args.kv_dtype, max_seqs=args.max_seqs)
         prompt = args.prompt
         if args.chat:
@@ -362,6 +373,9 @@ def bench_command(parser: argparse.ArgumentParser) -> Handler:
     parser.add_argument("--generate", type=int, default=64, help="tokens to generate (default 64)")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs after one warm-up (default 3)")
     add_cache_arguments(parser, "single")
+    from mlx_pte.interpreter.server import add_tokenizer_argument
+
+    add_tokenizer_argument(parser)
 
     def run(args: argparse.Namespace) -> int:
         import statistics
@@ -373,7 +387,7 @@ def bench_command(parser: argparse.ArgumentParser) -> Handler:
         from mlx_pte.interpreter.session import Session
         import mlx.core as mx
 
-        program = load(args.model)
+        program = load(args.model, tokenizer=args.tokenizer)
         vocab = int(program.manifest["vocab_size"])
         prompt = np.random.default_rng(0).integers(0, vocab, args.prompt_tokens).tolist()
 

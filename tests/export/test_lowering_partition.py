@@ -9,7 +9,7 @@ from executorch.exir import EdgeCompileConfig, to_edge_transform_and_lower
 from torch import nn
 
 from mlx_pte.export.errors import ExportError, UnsupportedOpsError
-from mlx_pte.export.partitioner import MLXPartitioner
+from mlx_pte.export.partitioner import MLXPtePartitioner
 from mlx_pte.export.program import export_module
 from mlx_pte.interpreter.program import load
 
@@ -114,7 +114,7 @@ def test_dim_order_copies_lower_like_plain_copies(tmp_path):
     x = torch.randn(3, 4) * 4
     ep = torch.export.export(module, (x,), strict=False)
     edge = to_edge_transform_and_lower(
-        ep, partitioner=[MLXPartitioner()], compile_config=EdgeCompileConfig(_check_ir_validity=False)
+        ep, partitioner=[MLXPtePartitioner()], compile_config=EdgeCompileConfig(_check_ir_validity=False)
     )
     targets = {str(n.target) for n in edge.exported_program().graph.nodes}
     assert not any("dim_order" in t for t in targets)  # all inside the delegate

@@ -94,8 +94,8 @@ def test_load_refuses_a_truncated_program(tmp_path):
 def test_the_interpreter_never_imports_torch():
     code = (
         "import importlib, pkgutil, sys\n"
-        "import mlx_pte.interpreter, mlx_pte.ir\n"
-        "for pkg in (mlx_pte.interpreter, mlx_pte.ir):\n"
+        "import mlx_pte.interpreter, mlx_pte.ir, mlx_pte.ir.upstream\n"
+        "for pkg in (mlx_pte.interpreter, mlx_pte.ir, mlx_pte.ir.upstream):\n"
         "    for m in pkgutil.iter_modules(pkg.__path__):\n"
         "        importlib.import_module(f'{pkg.__name__}.{m.name}')\n"
         "heavy = [m for m in ('torch', 'executorch', 'transformers') if m in sys.modules]\n"

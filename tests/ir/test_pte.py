@@ -5,19 +5,19 @@ import numpy as np
 import pytest
 
 from mlx_pte.ir.errors import FormatError
-from mlx_pte.ir.pte import delegate_payload, read_pte
+from mlx_pte.ir.pte import DELEGATE_IDS, delegate_payload, read_pte
 
 
 def executorch_view(data: bytes) -> tuple[bytes, object]:
-    """The MLXBackend delegate's bytes as ExecuTorch reads them, and the extended header."""
+    """The MLX delegate's bytes as ExecuTorch reads them, and the extended header."""
     from executorch.exir._serialize._program import _get_extended_header, deserialize_pte_binary
 
     program = deserialize_pte_binary(data).program  # segments restored inline
-    (delegate,) = [d for plan in program.execution_plan for d in plan.delegates if d.id == "MLXBackend"]
+    (delegate,) = [d for plan in program.execution_plan for d in plan.delegates if d.id in DELEGATE_IDS]
     return bytes(program.backend_delegate_data[delegate.processed.index].data), _get_extended_header(data)
 
 
-@pytest.mark.parametrize("kind", ["segment", "inline"])
+@pytest.mark.parametrize("kind", ["segment", "inline", "legacy"])
 def test_delegate_payload_matches_executorch(pte_files, kind):
     f = pte_files[kind]
     expected, header = executorch_view(f.data)
@@ -25,13 +25,13 @@ def test_delegate_payload_matches_executorch(pte_files, kind):
     assert bytes(found) == expected == f.payload
     # The view is into the file, from the segment area or from inside the program.
     at = np.frombuffer(found, np.uint8).ctypes.data - np.frombuffer(f.data, np.uint8).ctypes.data
-    if kind == "segment":
+    if kind in ("segment", "legacy"):
         assert at >= header.segment_base_offset
     else:
         assert header is None or at + len(found) <= header.program_size
 
 
-@pytest.mark.parametrize("kind", ["segment", "inline"])
+@pytest.mark.parametrize("kind", ["segment", "inline", "legacy"])
 def test_read_pte(pte_files, kind):
     f = pte_files[kind]
     p = read_pte(f.path)
@@ -64,9 +64,11 @@ def test_not_a_program(pte_files):
         delegate_payload(bytes(data))
 
 
-@pytest.mark.parametrize("kind", ["segment", "inline"])
+@pytest.mark.parametrize("kind", ["segment", "inline", "legacy"])
 def test_no_mlx_delegate(pte_files, kind):
     data = pte_files[kind].data
-    assert data.count(b"MLXBackend") == 1  # the delegate's id string
-    with pytest.raises(FormatError, match="has 0 MLXBackend delegates"):
-        delegate_payload(data.replace(b"MLXBackend", b"CPUBackend"))
+    (delegate_id,) = [i for i in DELEGATE_IDS if data.count(i.encode())]
+    assert data.count(delegate_id.encode()) == 1  # the delegate's id string
+    other = ("CPU" + delegate_id[3:]).encode()
+    with pytest.raises(FormatError, match="has 0 MLX delegates"):
+        delegate_payload(data.replace(delegate_id.encode(), other))

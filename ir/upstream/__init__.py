@@ -1,0 +1,1 @@
+"""Upstream ExecuTorch MLX programs (payload magic ``MLX0``), imported into the IR."""

@@ -1,0 +1,310 @@
+"""Translations of upstream MLX node types into mlx-pte's op catalog.
+
+Each translation reads one flatc node object and emits catalog instructions through the
+``ImportBuilder``; the table below is the whole list of node types mlx-pte runs. Upstream's
+runtime computes with MLX's own type promotion, as mlx-pte's MLX handlers do, so
+operands are passed through unchanged.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+from ..errors import FormatError
+from .builder import ImportBuilder
+
+Translation = Callable[[ImportBuilder, Any], None]
+TRANSLATIONS: dict[str, Translation] = {}
+
+_UNARY = {
+    "NegNode": "neg", "AbsNode": "abs", "ExpNode": "exp", "LogNode": "log", "SqrtNode": "sqrt",
+    "RsqrtNode": "rsqrt", "SinNode": "sin", "CosNode": "cos", "TanhNode": "tanh",
+    "SigmoidNode": "sigmoid", "SiluNode": "silu", "ErfNode": "erf", "ReciprocalNode": "reciprocal",
+    "LogicalNotNode": "logical_not",
+}  # fmt: skip
+_BINARY = {
+    "AddNode": "add", "SubtractNode": "sub", "MultiplyNode": "mul", "DivideNode": "div",
+    "PowerNode": "pow", "MaximumNode": "maximum", "MinimumNode": "minimum", "LessNode": "lt",
+    "LessEqualNode": "le", "GreaterNode": "gt", "GreaterEqualNode": "ge", "EqualNode": "eq",
+    "NotEqualNode": "ne", "LogicalAndNode": "logical_and", "LogicalOrNode": "logical_or",
+}  # fmt: skip
+_REDUCTIONS = {"SumNode": "sum", "MeanNode": "mean", "MaxNode": "amax", "MinNode": "amin"}
+_SCALAR = {
+    "AddIntNode": "scalar_add", "SubtractIntNode": "scalar_sub",
+    "MultiplyIntNode": "scalar_mul", "FloorDivideIntNode": "scalar_floordiv",
+}  # fmt: skip
+
+
+def _ints(values: Any) -> tuple[int, ...]:
+    """An int vector (flatc gives numpy arrays) as Python ints."""
+    return tuple(int(v) for v in values)
+
+
+def translates(*names: str) -> Callable[[Translation], Translation]:
+    def register(fn: Translation) -> Translation:
+        for name in names:
+            TRANSLATIONS[name] = fn
+        return fn
+
+    return register
+
+
+def _unary(op: str) -> Translation:
+    return lambda b, n: b.emit(op, (b.read(n.x),), (b.write(n.out),))
+
+
+def _binary(op: str) -> Translation:
+    return lambda b, n: b.emit(op, (b.read(n.a), b.read(n.b)), (b.write(n.out),))
+
+
+def _reduction(op: str) -> Translation:
+    def translate(b: ImportBuilder, n: Any) -> None:
+        if n.axes is None or len(n.axes) == 0:
+            raise FormatError(f"a {op} over every axis (no axes given) is not supported")
+        b.emit(op, (b.read(n.x),), (b.write(n.out),), dims=_ints(n.axes), keepdim=bool(n.keepdims))
+
+    return translate
+
+
+def _scalar(op: str) -> Translation:
+    return lambda b, n: b.emit(op, (), (b.write_value(n.out),), a=b.int_or_ref(n.a), b=b.int_or_ref(n.b))
+
+
+for _table, _make in ((_UNARY, _unary), (_BINARY, _binary), (_REDUCTIONS, _reduction), (_SCALAR, _scalar)):
+    for _node, _op in _table.items():
+        TRANSLATIONS[_node] = _make(_op)
+
+
+@translates("IdCopyNode", "ContiguousNode")
+def _alias(b: ImportBuilder, n: Any) -> None:
+    b.alias(n.out, n.x)  # MLX arrays are immutable values: a copy is the same value
+
+
+@translates("SquareNode")
+def _square(b: ImportBuilder, n: Any) -> None:
+    x = b.read(n.x)
+    b.emit("mul", (x, x), (b.write(n.out),))
+
+
+@translates("WhereNode")
+def _where(b: ImportBuilder, n: Any) -> None:
+    b.emit("where", (b.read(n.condition), b.read(n.x), b.read(n.y)), (b.write(n.out),))
+
+
+@translates("GeluNode")
+def _gelu(b: ImportBuilder, n: Any) -> None:
+    approximate = b.text(n.approximate)
+    if approximate not in ("none", "tanh"):
+        raise FormatError(f"GeluNode approximation {approximate!r} is not 'none' or 'tanh'")
+    b.emit("gelu", (b.read(n.x),), (b.write(n.out),), approximate=approximate)
+
+
+@translates("AsTypeNode")
+def _as_type(b: ImportBuilder, n: Any) -> None:
+    b.emit("cast", (b.read(n.x),), (b.write(n.out),), dtype=b.dtype(n.scalarType))
+
+
+@translates("SoftmaxNode")
+def _softmax(b: ImportBuilder, n: Any) -> None:
+    b.emit("softmax", (b.read(n.x),), (b.write(n.out),), dim=n.axis)
+
+
+@translates("ArgmaxNode")
+def _argmax(b: ImportBuilder, n: Any) -> None:
+    b.emit("argmax", (b.read(n.x),), (b.write(n.out),), dim=n.axis, keepdim=bool(n.keepdims))
+
+
+@translates("RMSNormNode")
+def _rms_norm(b: ImportBuilder, n: Any) -> None:
+    b.emit("rms_norm", (b.read(n.x), b.read_optional(n.weight)), (b.write(n.out),), eps=float(n.eps))
+
+
+@translates("LayerNormNode")
+def _layer_norm(b: ImportBuilder, n: Any) -> None:
+    inputs = (b.read(n.x), b.read_optional(n.weight), b.read_optional(n.bias))
+    b.emit("layer_norm", inputs, (b.write(n.out),), eps=float(n.eps))
+
+
+@translates("AddmmNode")
+def _addmm(b: ImportBuilder, n: Any) -> None:
+    """alpha * (mat1 @ mat2) + beta * bias; a stored weight's transpose runs as ``linear``."""
+    x, mat2, bias = b.read(n.mat1), b.read(n.mat2), b.read_optional(n.bias)
+    weight = b.transposed_constant(n.mat2)
+    plain = n.alpha == 1.0 and (bias is None or n.beta == 1.0)
+    if plain and weight is not None:
+        b.emit("linear", (x, weight, bias), (b.write(n.out),))
+        return
+    product = b.write(n.out) if plain and bias is None else b.temp()
+    if weight is not None:
+        b.emit("linear", (x, weight, None), (product,))
+    else:
+        b.emit("matmul", (x, mat2), (product,))
+    if plain:
+        if bias is not None:
+            b.emit("add", (product, bias), (b.write(n.out),))
+        return
+    # Scalars need the operands' dtype, which the payload records only for constants.
+    dtype = b.constant_dtype(weight if weight is not None else mat2)
+    if dtype is None:
+        raise FormatError("AddmmNode with alpha or beta other than 1 is supported only on a stored weight")
+    scaled = b.scaled(product, n.alpha, dtype)
+    if bias is None:
+        b.assign(n.out, scaled)
+    else:
+        b.emit("add", (scaled, b.scaled(bias, n.beta, dtype)), (b.write(n.out),))
+
+
+@translates("TransposeNode")
+def _transpose(b: ImportBuilder, n: Any) -> None:
+    x = b.read(n.x)
+    out = b.write(n.out)
+    b.emit("permute", (x,), (out,), dims=_ints(n.perm))
+    b.note_transpose(out, x, _ints(n.perm))
+
+
+@translates("ReshapeNode")
+def _reshape(b: ImportBuilder, n: Any) -> None:
+    b.emit("view", (b.read(n.x),), (b.write(n.out),), shape=b.ints_or_refs(n.shape))
+
+
+@translates("BroadcastToNode")
+def _broadcast_to(b: ImportBuilder, n: Any) -> None:
+    b.emit("expand", (b.read(n.x),), (b.write(n.out),), shape=b.ints_or_refs(n.shape))
+
+
+@translates("TileNode")
+def _tile(b: ImportBuilder, n: Any) -> None:
+    b.emit("tile", (b.read(n.x),), (b.write(n.out),), reps=b.ints_or_refs(n.reps))
+
+
+@translates("ExpandDimsNode")
+def _expand_dims(b: ImportBuilder, n: Any) -> None:
+    b.emit("unsqueeze", (b.read(n.x),), (b.write(n.out),), dim=n.axis)
+
+
+@translates("SqueezeNode")
+def _squeeze(b: ImportBuilder, n: Any) -> None:
+    if n.dims is None or len(n.dims) == 0:
+        raise FormatError("a SqueezeNode without dims (squeeze every size-1 axis) is not supported")
+    b.emit("squeeze", (b.read(n.x),), (b.write(n.out),), dims=_ints(n.dims))
+
+
+@translates("SliceNode")
+def _slice(b: ImportBuilder, n: Any) -> None:
+    attrs = dict(dim=b.static_int(n.axis, "SliceNode axis"), start=b.int_or_ref(n.start),
+                 end=b.int_or_ref(n.stop), step=n.step)  # fmt: skip
+    b.emit("slice", (b.read(n.x),), (b.write(n.out),), **attrs)
+
+
+@translates("SliceUpdateNode")
+def _slice_update(b: ImportBuilder, n: Any) -> None:
+    attrs = dict(dim=b.static_int(n.axis, "SliceUpdateNode axis"), start=b.int_or_ref(n.start),
+                 end=b.int_or_ref(n.stop), step=n.step)  # fmt: skip
+    b.emit("slice_update", (b.read(n.dst), b.read(n.update)), (b.write(n.out),), **attrs)
+
+
+@translates("ConcatenateNode")
+def _concatenate(b: ImportBuilder, n: Any) -> None:
+    b.emit("cat", tuple(b.read(t) for t in n.tensors or ()), (b.write(n.out),), dim=n.axis)
+
+
+@translates("SplitNode")
+def _split(b: ImportBuilder, n: Any) -> None:
+    outputs = tuple(b.write(t) for t in n.outs or ())
+    sizes = b.ints_or_refs(n.sizes)
+    if len(sizes) == 1:  # torch.split(x, size): pieces of one size, the last one what remains
+        sizes *= len(outputs)
+    b.emit("split", (b.read(n.x),), outputs, sizes=sizes, dim=n.axis)
+
+
+_TAKE_LITERAL, _TAKE_VID, _TAKE_TID = 0, 1, 2
+
+
+@translates("TakeNode")
+def _take(b: ImportBuilder, n: Any) -> None:
+    index = n.index
+    x = b.read(n.x)
+    if index.kind == _TAKE_TID:
+        indices = b.read(index.tid)
+        # Axis 0 with indices of any shape is an embedding lookup (mx.take either way).
+        op, attrs = ("embedding", {}) if n.axis == 0 else ("index_select", {"dim": n.axis})
+        b.emit(op, (x, indices), (b.write(n.out),), **attrs)
+    elif index.kind in (_TAKE_LITERAL, _TAKE_VID):
+        value = index.literal if index.kind == _TAKE_LITERAL else b.value(index.vid)
+        b.emit("select", (x,), (b.write(n.out),), dim=n.axis, index=value)
+    else:
+        raise FormatError(f"TakeNode index kind {index.kind} is not a literal, value or tensor")
+
+
+@translates("TakeAlongAxisNode")
+def _take_along_axis(b: ImportBuilder, n: Any) -> None:
+    b.emit("gather", (b.read(n.x), b.read(n.indices)), (b.write(n.out),), dim=n.axis)
+
+
+@translates("SymSizeNode")
+def _sym_size(b: ImportBuilder, n: Any) -> None:
+    b.emit("sym_size", (b.read(n.a),), (b.write_value(n.out),), dim=n.dim)
+
+
+@translates("FullNode")
+def _full(b: ImportBuilder, n: Any) -> None:
+    attrs = dict(shape=b.ints_or_refs(n.shape), value=b.static_float(n.v, "FullNode value"),
+                 dtype=b.dtype(n.scalarType))  # fmt: skip
+    b.emit("full", (), (b.write(n.out),), **attrs)
+
+
+@translates("ARangeNode")
+def _arange(b: ImportBuilder, n: Any) -> None:
+    if n.scalarType is None:
+        raise FormatError("an ARangeNode without a dtype is not supported")
+    attrs = dict(start=b.int_or_ref(n.start), end=b.int_or_ref(n.stop), step=b.int_or_ref(n.step),
+                 dtype=b.dtype(n.scalarType))  # fmt: skip
+    b.emit("arange", (), (b.write(n.out),), **attrs)
+
+
+@translates("UpdateAndAttendNode")
+def _update_and_attend(b: ImportBuilder, n: Any) -> None:
+    cache_id = b.cache_id(n.layerId)
+    inputs = (b.read(n.q), b.read(n.k), b.read(n.v), b.read(n.position))
+    attrs = dict(cache_id=cache_id, scale=float(n.scale), softcap=0.0)
+    if n.outDtype is None:
+        b.emit("update_and_attend", inputs, (b.write(n.out),), **attrs)
+        return
+    attended = b.temp()
+    b.emit("update_and_attend", inputs, (attended,), **attrs)
+    b.emit("cast", (attended,), (b.write(n.out),), dtype=b.dtype(n.outDtype))
+
+
+@translates("ClipNode")
+def _clip(b: ImportBuilder, n: Any) -> None:
+    """min(max(x, a_min), a_max), either bound optional (the bounds are tensors)."""
+    value = b.read(n.x)
+    bounds = [("maximum", b.read_optional(n.aMin)), ("minimum", b.read_optional(n.aMax))]
+    bounds = [(op, slot) for op, slot in bounds if slot is not None]
+    if not bounds:
+        b.alias(n.out, n.x)
+        return
+    for i, (op, bound) in enumerate(bounds):
+        out = b.write(n.out) if i == len(bounds) - 1 else b.temp()
+        b.emit(op, (value, bound), (out,))
+        value = out
+
+
+@translates("StackNode")
+def _stack(b: ImportBuilder, n: Any) -> None:
+    pieces = []
+    for tid in n.tensors or ():
+        piece = b.temp()
+        b.emit("unsqueeze", (b.read(tid),), (piece,), dim=n.axis)
+        pieces.append(piece)
+    b.emit("cat", tuple(pieces), (b.write(n.out),), dim=n.axis)
+
+
+@translates("ArgminNode")
+def _argmin(b: ImportBuilder, n: Any) -> None:
+    negated = b.temp()  # the first minimum of x is the first maximum of -x
+    b.emit("neg", (b.read(n.x),), (negated,))
+    b.emit("argmax", (negated,), (b.write(n.out),), dim=n.axis, keepdim=bool(n.keepdims))
+
+
+def translation(name: str) -> Optional[Translation]:
+    return TRANSLATIONS.get(name)
