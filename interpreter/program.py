@@ -33,6 +33,7 @@ _NP_STORAGE = {
     "int8": np.int8,
     "uint8": np.uint8,
     "bool": np.bool_,
+    "uint32": np.uint32,
 }
 
 

@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping, Optional
 
 from .errors import FormatError
+from .quantization import QuantSpec
 
 MANIFEST_VERSION = 1
 
@@ -37,11 +38,14 @@ class Manifest:
     pad_token_id: Optional[int] = None
     format_version: int = MANIFEST_VERSION
     extra: dict = field(default_factory=dict)
+    quantization: Optional[QuantSpec] = None  # the type of the quantized linear/embedding weights
 
     def to_dict(self) -> dict:
         d = asdict(self)
         d["cache"] = [asdict(c) for c in self.cache]
         d["eos_token_ids"] = list(self.eos_token_ids)
+        if self.quantization is None:
+            del d["quantization"]
         return d
 
     @classmethod
@@ -72,6 +76,7 @@ class Manifest:
                 pad_token_id=d.get("pad_token_id"),
                 format_version=version,
                 extra=dict(d.get("extra") or {}),
+                quantization=None if d.get("quantization") is None else QuantSpec.from_dict(d["quantization"]),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise FormatError(f"the manifest is malformed ({type(exc).__name__}: {exc})") from None
