@@ -21,6 +21,7 @@ from mlx_pte.ir.payload import Payload
 from mlx_pte.ir.pte import read_pte
 
 from .handlers import HANDLERS, MX_DTYPES, Handler, RunContext
+from .quantized_kernels import check_kernels
 
 # Numpy dtypes of the stored bytes; bfloat16 is read as uint16 and reinterpreted.
 _NP_STORAGE = {
@@ -95,6 +96,7 @@ class Program:
         missing = [graph.slots[s].name for s in graph.constants() if s not in weights]
         if missing:
             raise FormatError(f"the program has no data for weights {missing}; export it again")
+        check_kernels(graph)
         self.graph = graph
         self.weights = dict(weights)
         self.manifest = dict(manifest)
