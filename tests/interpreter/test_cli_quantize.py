@@ -86,3 +86,20 @@ def test_weights_kept_at_full_precision_are_listed_after_export(tiny_checkpoint,
     kept = stdout.split("kept at full precision (")[1].splitlines()[1:]
     assert kept and all("columns do not divide into groups of 32" in line for line in kept)
     assert any("laurel" in line for line in kept)
+
+
+def test_a_quantized_type_this_machine_cannot_run_is_refused_at_load(quantized_pte, capsys, monkeypatch):
+    import mlx_pte.interpreter.quantized_kernels as kernels
+
+    out, args = quantized_pte
+    if not out.exists():
+        assert main(args) == 0
+
+    def no_kernel(*args, **kwargs):
+        raise RuntimeError("[quantized_matmul] no kernel for this mode on this device")
+
+    monkeypatch.setattr(kernels.mx, "quantized_matmul", no_kernel)
+    monkeypatch.setattr(kernels, "_CHECKED", set())
+    capsys.readouterr()
+    assert main(["run", str(out), "--prompt", "The for statement", "--max-new-tokens", "2"]) == 1
+    assert "cannot run affine 4-bit, groups of 32 weights" in one_error_line(capsys.readouterr())
