@@ -5,10 +5,16 @@ Runs on the device machine, whose Python has torch (CUDA) and transformers but n
 
     python3 bench/gpu_decode.py --pte out/gpu/llama1b.pte.gz --wheels out/gpu/whl \
         --hf-dir /root/stash/llama1b [--prompt 128 --generate 64]
+    # bf16 vs q8 vs q4 (group 64), mlx-pte against mlx-lm quantized the same way:
+    python3 bench/gpu_decode.py --pte bf16=llama1b.pte.gz --pte q8=llama1b-q8.pte.gz \
+        --pte q4=llama1b-q4.pte.gz --group-size 64 --wheels out/gpu/whl --hf-dir /root/stash/llama1b
 
-The .pte is exported elsewhere (where executorch is) from a checkpoint of the same shape with
-all-zero weights, gzip-compressed so it can travel; speed does not depend on weight values,
-so mlx-lm and HF eager read a same-shaped checkpoint made here. ``--wheels DIR`` holds MLX's
+Each .pte is exported elsewhere (where executorch is) from a checkpoint of the same shape with
+all-zero weights (``mlx-pte export DIR -o q4.pte --dtype bfloat16 --quantize q4 --group-size 64``),
+gzip-compressed so it can travel; speed does not depend on weight values (zeros quantize to
+zero scales, but the kernels do the same work), so mlx-lm and HF eager read a same-shaped
+checkpoint made here; mlx-lm's rows for q8/q4 quantize it in-process with
+``mlx_lm.utils.quantize_model`` (what ``mlx_lm.convert -q`` does) at the same group size. ``--wheels DIR`` holds MLX's
 CUDA wheel (whole, or split as cuda.part.NN) and the mlx, mlx-lm wheels, installed into
 ``--site``. Every engine decodes greedily from the same random prompt ids without stopping
 at eos; prefill time covers the prompt's forward and the first token, decode time the rest.
@@ -26,6 +32,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+from variants import bits_of, parse_pte, print_table, quantize_mlx_lm
 
 REPO = Path(__file__).resolve().parents[1]
 # The project's top-level folders map into the mlx_pte namespace (pyproject's package-dir).
@@ -160,12 +168,13 @@ def profile_mlx_pte(pte: Path, prompt: list[int], n: int, capacity: int, top: in
     pstats.Stats(profiler).sort_stats("tottime").print_stats(top)
 
 
-def bench_mlx_lm(model_dir: Path, prompt: list[int], n: int) -> tuple[float, float]:
+def bench_mlx_lm(model_dir: Path, prompt: list[int], n: int, bits=None, group_size: int = 64) -> tuple[float, float]:
     import mlx.core as mx
     from mlx_lm import load as mlx_lm_load
     from mlx_lm.generate import generate_step
 
     model, _ = mlx_lm_load(str(model_dir))
+    model = quantize_mlx_lm(model, json.loads((model_dir / "config.json").read_text()), bits, group_size)
 
     def run(ids, count):
         t0 = time.perf_counter()
@@ -229,7 +238,9 @@ def bench_hf_static(model_dir: Path, prompt: list[int], n: int) -> tuple[float, 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--pte", type=Path, required=True, help=".pte or .pte.gz (all-zero weights do)")
+    parser.add_argument("--pte", action="append", required=True, metavar="[LABEL=]PATH",
+                        help=".pte or .pte.gz (all-zero weights do); LABEL bf16 (default), q8 or q4; repeatable")
+    parser.add_argument("--group-size", type=int, default=64, help="mlx-lm's group size for q8/q4 (default 64)")
     parser.add_argument("--hf-dir", type=Path, required=True, help="same-shaped HF checkpoint; made if missing")
     parser.add_argument("--wheels", type=Path, help="MLX CUDA, mlx and mlx-lm wheels to install first")
     parser.add_argument("--site", type=Path, default=Path("/tmp/site"), help="where wheels are installed")
@@ -250,7 +261,8 @@ def main() -> None:
         install_mlx(args.wheels, args.site)
     sys.path[:0] = [str(args.site), str(project_root(args.work / "src"))]
     model_dir = make_checkpoint(args.hf_dir)
-    pte = gunzip(args.pte, args.work)
+    ptes = dict(parse_pte(arg, "bf16") for arg in args.pte)
+    ptes = {label: gunzip(path, args.work) for label, path in ptes.items()}
 
     import mlx_pte.runtime.mlx.blas  # noqa: F401  (before mlx.core; a missing OpenBLAS only warns)
     import mlx.core as mx
@@ -265,28 +277,30 @@ def main() -> None:
         return
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     prompt = np.random.default_rng(0).integers(0, vocab, args.prompt).tolist()
-    engines = {"mlx-pte": lambda: bench_mlx_pte(pte, prompt, args.generate, args.capacity),
-               "mlx-lm": lambda: bench_mlx_lm(model_dir, prompt, args.generate),
-               "hf": lambda: bench_hf(model_dir, prompt, args.generate),
-               "hf-static": lambda: bench_hf_static(model_dir, prompt, args.generate)}
+    benches = []
+    for label, pte in ptes.items():
+        if "mlx-pte" not in args.skip:
+            benches.append((("mlx-pte", label), lambda pte=pte: bench_mlx_pte(pte, prompt, args.generate, args.capacity)))
+        if "mlx-lm" not in args.skip:
+            bits = bits_of(label)
+            benches.append((("mlx-lm", label),
+                            lambda bits=bits: bench_mlx_lm(model_dir, prompt, args.generate, bits, args.group_size)))
+    if "hf" not in args.skip:
+        benches.append((("hf", "bf16"), lambda: bench_hf(model_dir, prompt, args.generate)))
     rows = {}
-    for name, bench in engines.items():
-        if name not in args.skip:
-            rows[name] = bench()
-            print(f"{name}: prefill {rows[name][0]:.1f} tok/s, decode {rows[name][1]:.2f} tok/s", flush=True)
+    for key, bench in benches:
+        rows[key] = bench()
+        print(f"{key[0]} {key[1]}: prefill {rows[key][0]:.1f} tok/s, decode {rows[key][1]:.2f} tok/s", flush=True)
 
     import torch
 
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA"
-    print(f"\n{model_dir.name}: prompt {args.prompt}, generate {args.generate}, bfloat16, "
-          f"MLX {mx.__version__} on {mx.default_device()}, torch {torch.__version__} on {gpu}")
-    print(f"{'engine':<10} {'prefill tok/s':>14} {'decode tok/s':>13} {'prefill x':>10} {'decode x':>9}")
-    base = rows.get("mlx-pte")
-    for name, (p, d) in rows.items():
-        ratio = f"{base[0] / p:>10.2f} {base[1] / d:>9.2f}" if base else ""
-        print(f"{name:<10} {p:>14.1f} {d:>13.2f} {ratio}")
-    print("(x = mlx-pte speed / engine speed)")
+    print_table(f"{model_dir.name}: prompt {args.prompt}, generate {args.generate}, bfloat16 activations, "
+                f"groups of {args.group_size}, MLX {mx.__version__} on {mx.default_device()}, torch "
+                f"{torch.__version__} on {gpu}", rows)
     if args.profile:
+        label, pte = next(iter(ptes.items()))
+        print(f"\nprofile of mlx-pte {label}:")
         profile_mlx_pte(pte, prompt, args.generate, args.capacity, args.profile)
 
 

@@ -29,6 +29,7 @@ MX_DTYPES: dict[str, mx.Dtype] = {
     "int8": mx.int8,
     "uint8": mx.uint8,
     "bool": mx.bool_,
+    "uint32": mx.uint32,
 }
 
 
@@ -363,6 +364,26 @@ def _update_and_attend(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx
             "after cache.declare_step(...) (or use Program.session())"
         )
     return ctx.cache.attend(attrs["cache_id"], q, k, v, attrs["scale"], attrs["softcap"])
+
+
+# -- quantized weights (ir.quantization) ------------------------------------------------
+def _quant_kwargs(attrs: dict[str, Any]) -> dict[str, Any]:
+    return {"group_size": attrs["group_size"], "bits": attrs["bits"], "mode": attrs["mode"]}
+
+
+@handles("quantized_linear")
+def _quantized_linear(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx.array:
+    x, weight, scales, biases, bias = args
+    out = mx.quantized_matmul(x, weight, scales, biases, transpose=True, **_quant_kwargs(attrs))
+    return out if bias is None else out + bias
+
+
+@handles("quantized_embedding")
+def _quantized_embedding(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx.array:
+    # Only the selected rows are dequantized: a token's row is its packed row.
+    weight, scales, biases, indices = args
+    rows = [None if part is None else mx.take(part, indices, axis=0) for part in (weight, scales, biases)]
+    return mx.dequantize(*rows, dtype=MX_DTYPES[attrs["dtype"]], **_quant_kwargs(attrs))
 
 
 # One catalog: an op without a handler (or a handler without an op) is a bug here.

@@ -24,6 +24,7 @@ from mlx_pte.runtime.cache import CacheError
 
 from .handlers import HANDLERS, MX_DTYPES, Handler, RunContext
 from .tokenizer_dir import tokenizer_fields
+from .quantized_kernels import check_kernels
 
 # Numpy dtypes of the stored bytes; bfloat16 is read as uint16 and reinterpreted.
 _NP_STORAGE = {
@@ -36,6 +37,7 @@ _NP_STORAGE = {
     "int8": np.int8,
     "uint8": np.uint8,
     "bool": np.bool_,
+    "uint32": np.uint32,
 }
 
 
@@ -108,6 +110,7 @@ class Program:
         missing = [graph.slots[s].name for s in graph.constants() if s not in weights]
         if missing:
             raise FormatError(f"the program has no data for weights {missing}; export it again")
+        check_kernels(graph)
         self.graph = graph
         self.weights = dict(weights)
         self.manifest = dict(manifest)
