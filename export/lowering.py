@@ -13,6 +13,7 @@ from torch.export.graph_signature import InputKind
 from torch.fx import Node
 
 from mlx_pte.ir.graph import Graph, SlotKind, TensorType
+from mlx_pte.ir.passes import simplify
 
 from .errors import ExportError
 from .fusion import find_fusions
@@ -88,7 +89,8 @@ def lower_program(ep: ExportedProgram, signature: Signature) -> tuple[Graph, dic
     """Lower every node of ``ep`` (an edge program the partitioner accepted).
 
     Returns:
-        The graph and its constants: slot → the constant's raw bytes (uint8, row-major).
+        The graph (fused at lowering, then simplified: ``ir.passes``) and its constants:
+        slot → the constant's raw bytes (uint8, row-major).
 
     Raises:
         ExportError: an input the program never reads, or an output that is not a
@@ -114,7 +116,7 @@ def lower_program(ep: ExportedProgram, signature: Signature) -> tuple[Graph, dic
         if name not in by_name or not isinstance(b.graph.slots[by_name[name]].type, TensorType):
             raise ExportError(f"output {i} ({name}) is not a tensor computed by forward(); return computed tensors only")
         b.graph.outputs.append(by_name[name])
-    return b.graph, b.constants
+    return simplify(b.graph, b.constants)
 
 
 def _lower_placeholder(b: Builder, node: Node, spec: Any) -> None:
