@@ -3,7 +3,7 @@
 HF writes RMSNorm out of elementwise ops, upcasting half-precision inputs first::
 
     u = x.float()                                  # absent when x is fp32
-    n = u * rsqrt(mean(u ** 2, -1, keepdim) + eps)  # fp32
+    n = u * rsqrt(mean(u ** 2, -1, keepdim) + eps)  # fp32 (Gemma3n: pow(..., -0.5))
     Llama, Qwen3, Mistral:  out = w * n.to(x.dtype)        (the weight after rounding)
     Gemma:                  out = (n * (1 + w.float())).to(x.dtype)  (the weight in fp32)
     no weight (Gemma3n):    out = n.to(x.dtype)
@@ -49,11 +49,16 @@ class _Normalized:
     nodes: tuple[Node, ...]  # n and the nodes computing it from x
 
 
+def _is_rsqrt(node: Any) -> bool:
+    # Gemma3n writes pow(m, -0.5); torch computes that exponent with rsqrt.
+    return is_call(node, aten.rsqrt.default) or (is_call(node, aten.pow.Tensor_Scalar) and node.args[1] == -0.5)
+
+
 def _normalized(ep: ExportedProgram, n: Any) -> Optional[_Normalized]:
     if not is_call(n, aten.mul.Tensor) or dtype_of(n) != torch.float32:
         return None
     for u, rsqrt in both_orders(n):
-        if not (isinstance(u, Node) and is_call(rsqrt, aten.rsqrt.default) and plain_add(rsqrt.args[0])):
+        if not (isinstance(u, Node) and _is_rsqrt(rsqrt) and plain_add(rsqrt.args[0])):
             continue
         shifted = rsqrt.args[0]
         for mean, eps_arg in both_orders(shifted):

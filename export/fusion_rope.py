@@ -94,10 +94,10 @@ def _rope_chain(ep: ExportedProgram, root: Node, direct: Node, rotated: Node, ro
         return None
     source = _default_rotary(ep, x, cos, sin)
     if source is not None:
-        positions, inv_freq = source
+        positions, inv_freq, seq_axis = source
 
         def lower(b: Builder, node: Node) -> None:
-            b.emit_node(node, "rope", (b.slots[x], b.slots[positions], b.slots[inv_freq]))
+            b.emit_node(node, "rope", (b.slots[x], b.slots[positions], b.slots[inv_freq]), {"seq_axis": seq_axis})
 
     else:
 
@@ -107,16 +107,20 @@ def _rope_chain(ep: ExportedProgram, root: Node, direct: Node, rotated: Node, ro
     return Fusion(lower, frozenset(chain))
 
 
-def _default_rotary(ep: ExportedProgram, x: Node, cos: Node, sin: Node) -> Optional[tuple[Node, Node]]:
-    """(positions [T], inv_freq [d/2]) when ``cos``/``sin`` are HF's default rotary tables
-    of x's T axis, unsqueezed to [1, 1, T, d]; the tables' own nodes are left to dead-code
-    removal (every layer reads them)."""
+def _default_rotary(ep: ExportedProgram, x: Node, cos: Node, sin: Node) -> Optional[tuple[Node, Node, int]]:
+    """(positions [T], inv_freq [d/2], x's token axis) when ``cos``/``sin`` are HF's default
+    rotary tables of x's tokens, unsqueezed to broadcast over x's heads ([1, H, T, d] or
+    [1, T, H, d]); the tables' own nodes are left to dead-code removal (every layer reads
+    them)."""
     x_shape = shape_of(x)
     if len(x_shape) != 4 or x_shape[0] != 1:
         return None
-    tables = [_unsqueezed_heads(t) for t in (cos, sin)]
-    if None in tables:
+    unsqueezed = [_unsqueezed_heads(t) for t in (cos, sin)]
+    if None in unsqueezed or unsqueezed[0][1] != unsqueezed[1][1]:  # type: ignore[index]
         return None
+    heads_axis = unsqueezed[0][1]  # type: ignore[index]
+    seq_axis = 3 - heads_axis
+    tables = [u[0] for u in unsqueezed]  # type: ignore[index]
     found = [_table_source(ep, t, fn, dtype_of(x)) for t, fn in zip(tables, (aten.cos.default, aten.sin.default))]
     if None in found or found[0] != found[1]:
         return None
@@ -126,8 +130,8 @@ def _default_rotary(ep: ExportedProgram, x: Node, cos: Node, sin: Node) -> Optio
         if not _int_to_float32(pos_float) or inv is None or inv.dtype != torch.float32:
             continue
         source = _token_axis(pos_float.args[0])
-        if tuple(inv.shape) == (x_shape[-1] // 2,) and source is not None and shape_of(source) == (x_shape[2],):
-            return source, inv_freq
+        if tuple(inv.shape) == (x_shape[-1] // 2,) and source is not None and shape_of(source) == (x_shape[seq_axis],):
+            return source, inv_freq, seq_axis
     return None
 
 
@@ -139,12 +143,12 @@ def _int_to_float32(node: Any) -> bool:
     )  # fmt: skip
 
 
-def _unsqueezed_heads(table: Node) -> Optional[Node]:
-    """The [1, T, d] table that ``table`` unsqueezes at the heads axis."""
-    if not is_call(table, aten.unsqueeze_copy.default) or table.args[1] != 1:
+def _unsqueezed_heads(table: Node) -> Optional[tuple[Node, int]]:
+    """(the [1, T, d] table, the axis) that ``table`` unsqueezes at axis 1 or 2 (x's heads)."""
+    if not is_call(table, aten.unsqueeze_copy.default) or table.args[1] not in (1, 2):
         return None
     inner = table.args[0]
-    return inner if isinstance(inner, Node) and len(shape_of(inner)) == 3 else None
+    return (inner, table.args[1]) if isinstance(inner, Node) and len(shape_of(inner)) == 3 else None
 
 
 def _table_source(ep: ExportedProgram, table: Node, fn: Any, dtype: torch.dtype) -> Optional[Node]:

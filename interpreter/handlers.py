@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import operator
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Callable, Optional
 
 import mlx_pte.runtime.mlx.blas  # noqa: F401  (load an optimized BLAS before mlx.core)
@@ -208,24 +209,31 @@ def _rope_half_handler(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx
     return _rope_half_compiled(*args)
 
 
-def rope_from_table(x: mx.array, positions: mx.array, inv_freq: mx.array) -> mx.array:
+def rope_from_table(x: mx.array, positions: mx.array, inv_freq: mx.array, seq_axis: int = 2) -> mx.array:
     """``rope`` as HF computes it: an fp32 angle table, cos/sin rounded to x's dtype."""
     angles = positions.reshape(-1, 1).astype(mx.float32) * inv_freq
     table = mx.concatenate([angles, angles], axis=-1)
+    if seq_axis == 1:  # [T, D] broadcast over the heads axis that follows T
+        table = mx.expand_dims(table, 1)
     return _rope_half(x, mx.cos(table).astype(x.dtype), mx.sin(table).astype(x.dtype))
 
 
-def rope_fast(x: mx.array, positions: mx.array, inv_freq: mx.array) -> mx.array:
+# ``rope_fast`` puts the tokens on the batch axis: [1, H, T, D] or [1, T, H, D] -> [T, H, 1, D].
+_TOKENS_FIRST = {2: (2, 1, 0, 3), 1: (1, 2, 0, 3)}
+_TOKENS_BACK = {2: (2, 1, 0, 3), 1: (2, 0, 1, 3)}
+
+
+def rope_fast(x: mx.array, positions: mx.array, inv_freq: mx.array, seq_axis: int = 2) -> mx.array:
     """``rope`` on MLX's fused kernel, for any positions: it takes one offset per batch
-    item, so each token goes on the batch axis ([1, H, T, D] -> [T, H, 1, D], a view).
-    The kernel rotates in fp32 and rounds once (the table path rounds cos/sin first)."""
-    tokens = x.swapaxes(0, 2)
+    item, so each token goes on the batch axis (a transposed view, no copy). The kernel
+    rotates in fp32 and rounds once (the table path rounds cos/sin first)."""
+    tokens = mx.transpose(x, _TOKENS_FIRST[seq_axis])
     out = mx.fast.rope(tokens, x.shape[-1], traditional=False, base=None, scale=1.0,
                        offset=positions.reshape(-1), freqs=mx.reciprocal(inv_freq))  # fmt: skip
-    return out.swapaxes(0, 2)
+    return mx.transpose(out, _TOKENS_BACK[seq_axis])
 
 
-_rope_from_table_compiled = mx.compile(rope_from_table)
+_ROPE_FROM_TABLE = {axis: mx.compile(partial(rope_from_table, seq_axis=axis)) for axis in _TOKENS_FIRST}
 
 
 @handles("rope")
@@ -233,8 +241,8 @@ def _rope(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx.array:
     # On the CPU MLX has no rope kernel (mx.fast.rope falls back to separate ops), so
     # the compiled table is faster there.
     if mx.default_device().type == mx.DeviceType.gpu:
-        return rope_fast(*args)
-    return _rope_from_table_compiled(*args)
+        return rope_fast(*args, attrs["seq_axis"])
+    return _ROPE_FROM_TABLE[attrs["seq_axis"]](*args)
 
 
 _GLU_ACTIVATIONS: dict[str, Callable[[mx.array], mx.array]] = {

@@ -233,9 +233,10 @@ define(
     OpSpec(
         "rope",
         ("x", "positions", "inv_freq"),
-        output_rule="like x [1, H, T, D]: rope_half(x, cos, sin) with angles positions[t] * inv_freq (int "
-        "positions [T], fp32 inv_freq [D/2]) computed in fp32, duplicated over both halves, cos/sin rounded to "
-        "x's dtype (HF's default rotary embedding)",
+        _attrs(("seq_axis", "int")),
+        output_rule="like x, [1, H, T, D] (seq_axis 2) or [1, T, H, D] (seq_axis 1): rope_half(x, cos, sin) with "
+        "angles positions[t] * inv_freq (int positions [T], fp32 inv_freq [D/2]) computed in fp32, duplicated "
+        "over both halves, cos/sin rounded to x's dtype (HF's default rotary embedding)",
     )
 )
 define(
