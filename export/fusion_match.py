@@ -132,3 +132,15 @@ def constant_value(ep: ExportedProgram, x: Any, depth: int = 4) -> Optional[tupl
     kwargs = {k: v for k, v in x.kwargs.items() if k != "device"}
     with torch.no_grad():
         return target_key(x.target)(*args, **kwargs), nodes
+
+
+def constant_source_name(ep: ExportedProgram, x: Node) -> str:
+    """The state-dict name of the first constant that ``x`` is computed from (``x``'s own
+    name when none is found), to name a folded constant after its source."""
+    for node in (x, *x.all_input_nodes):
+        spec = next((s for s in ep.graph_signature.input_specs if s.arg.name == node.name), None)
+        if spec is not None and spec.target is not None:
+            return spec.target
+        if node is not x:
+            return constant_source_name(ep, node)
+    return x.name

@@ -27,6 +27,7 @@ from .fusion_match import (
     Fusion,
     aten,
     both_orders,
+    constant_source_name,
     constant_value,
     dtype_of,
     is_call,
@@ -142,7 +143,8 @@ def match_rms_norm(ep: ExportedProgram, root: Node) -> Optional[Fusion]:
         w_slot = None
         if weight is not None:
             shared = not weight.computed and weight.node in b.slots
-            w_slot = b.slots[weight.node] if shared else b.add_constant(f"{node.name}.weight", weight.value)
+            name = f"{constant_source_name(b.ep, weight.node)}.folded"
+            w_slot = b.slots[weight.node] if shared else b.add_constant(name, weight.value)
         b.emit_node(node, "rms_norm", (b.slots[norm.x], w_slot), attrs)
 
     return Fusion(lower, frozenset(chain))
