@@ -3,9 +3,8 @@
 ``simplify`` runs them in order on a lowered graph:
 
 - **aliases**: casts to the dtype a value already has, float widen-then-narrow round
-  trips (bf16 → f32 → bf16 is exact), views to the shape their source already has,
-  a view of a reshape-like op (view/unsqueeze/squeeze) re-reads the source directly, and
-  inverse permute pairs cancel;
+  trips (bf16 → f32 → bf16 is exact), views to the shape their source already has (also
+  through one reshape-like op: view/unsqueeze/squeeze), and inverse permute pairs cancel;
 - **common subexpressions**: an instruction equal to an earlier one (same op, operands
   and attributes) reuses its results (HF recomputes the same unsqueeze of the rotary
   tables and the same view of the positions in every layer);
