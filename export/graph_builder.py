@@ -180,6 +180,11 @@ class Builder:
         assert isinstance(slot, int)
         if self.slot_type(slot).dtype == name:
             return slot
+        if (slot, name) not in self._casts and self.graph.slots[slot].kind is SlotKind.CONSTANT:
+            # A constant is converted here once (torch rounds as MLX's astype does), not per run.
+            value = ep_constant(self.ep, arg)
+            if value is not None:
+                self._casts[slot, name] = self.add_constant(f"{self.graph.slots[slot].name}.{name}", value.to(dtype))
         if (slot, name) not in self._casts:
             src = self.slot_type(slot)
             (self._casts[slot, name],) = self.emit(

@@ -14,6 +14,7 @@ from torch.fx import Node
 
 from mlx_pte.ir.graph import Graph, SlotKind, TensorType
 from mlx_pte.ir.quantization import QuantSpec
+from mlx_pte.ir.passes import simplify
 
 from .errors import ExportError
 from .fusion import find_fusions
@@ -98,7 +99,8 @@ def lower_program(
             (``export.quantize``); None keeps every weight as it is.
 
     Returns:
-        The graph and its constants: slot → the constant's raw bytes (uint8, row-major).
+        The graph (fused at lowering, then simplified: ``ir.passes``) and its constants:
+        slot → the constant's raw bytes (uint8, row-major).
 
     Raises:
         ExportError: an input the program never reads, or an output that is not a
@@ -127,7 +129,7 @@ def lower_program(
         if name not in by_name or not isinstance(b.graph.slots[by_name[name]].type, TensorType):
             raise ExportError(f"output {i} ({name}) is not a tensor computed by forward(); return computed tensors only")
         b.graph.outputs.append(by_name[name])
-    return b.graph, b.constants
+    return simplify(b.graph, b.constants)
 
 
 def _lower_placeholder(b: Builder, node: Node, spec: Any) -> None:

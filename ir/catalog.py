@@ -355,8 +355,9 @@ define(
     OpSpec(
         "rms_norm",
         ("x", "weight?"),
-        _attrs(("eps", "float")),
-        output_rule="like x, normalized over the last dim",
+        _attrs(("eps", "float"), ("dtype", "dtype", False)),
+        output_rule="x's shape, normalized over the last dim: x * rsqrt(mean(x**2) + eps) computed in fp32, "
+        "rounded to result_type(x, weight), times weight in that dtype, then cast to dtype when given",
     )
 )
 define(
@@ -373,6 +374,25 @@ define(
         ("x", "cos", "sin"),
         output_rule="like x: x * cos + rotate_half(x) * sin, rotate_half(x) = cat(-x[..., d/2:], x[..., :d/2]) "
         "along the last dim (HF's rotary embedding); cos and sin broadcast to x and share its dtype",
+    )
+)
+define(
+    OpSpec(
+        "rope",
+        ("x", "positions", "inv_freq"),
+        _attrs(("seq_axis", "int")),
+        output_rule="like x, [1, H, T, D] (seq_axis 2) or [1, T, H, D] (seq_axis 1): rope_half(x, cos, sin) with "
+        "angles positions[t] * inv_freq (int positions [T], fp32 inv_freq [D/2]) computed in fp32, duplicated "
+        "over both halves, cos/sin rounded to x's dtype (HF's default rotary embedding)",
+    )
+)
+define(
+    OpSpec(
+        "glu",
+        ("gate", "up"),
+        _attrs(("activation", "str")),
+        output_rule="like gate: act(gate) * up, act computed in fp32 and rounded to gate's dtype (as torch "
+        "does); activation 'silu' (SwiGLU), 'gelu' or 'gelu_tanh' (GeGLU)",
     )
 )
 
@@ -407,6 +427,22 @@ define(
 define(OpSpec("view", ("x",), _attrs(("shape", "ints_or_refs", True, "view_shape")),
               output_rule="x's elements in the given shape"))
 define(OpSpec("permute", ("x",), _attrs(("dims", "ints", True, "permutation")), output_rule="x's axes reordered"))
+define(
+    OpSpec(
+        "view_permute",
+        ("x",),
+        _attrs(("shape", "ints_or_refs"), ("dims", "ints")),
+        output_rule="permute(view(x, shape), dims) (a head split)",
+    )
+)
+define(
+    OpSpec(
+        "permute_view",
+        ("x",),
+        _attrs(("shape", "ints_or_refs"), ("dims", "ints")),
+        output_rule="view(permute(x, dims), shape) (a head merge)",
+    )
+)
 define(
     OpSpec(
         "slice",

@@ -21,6 +21,7 @@ from typing import Callable, Optional, Sequence
 from mlx_pte.export.errors import ExportError
 from mlx_pte.ir.errors import FormatError
 from mlx_pte.ir.graph import ScalarType, SymDim, TensorType
+from mlx_pte.ir.layers import layer_counts
 from mlx_pte.ir.manifest import CacheLayerSpec
 from mlx_pte.ir.payload import ITEMSIZE, Payload
 from mlx_pte.ir.quantization import PRESETS, QuantSpec, full_precision_weights, quantized_constants
@@ -152,6 +153,7 @@ def describe(payload: Payload | ImportedPayload) -> list[str]:
     lines = [
         f"graph: {len(graph.slots)} slots ({kinds['input']} inputs, {kinds['constant']} constants, "
         f"{kinds['temp']} temps), {len(graph.instructions)} instructions",
+        layer_counts(graph).summary(),
         f"weights: {len(constants)} constants, {weight_bytes:,} bytes",
     ]
     for title, slots in (("inputs", graph.inputs), ("outputs", graph.outputs)):
