@@ -152,7 +152,7 @@ def profile_mlx_pte(pte: Path, prompt: list[int], n: int, capacity: int, top: in
     finally:
         mx.eval = real_eval
     steps = len(r.tokens) - 1
-    print(f"\nmlx-pte: {len(program._steps)} graph steps per forward; decode "
+    print(f"\nmlx-pte: {len(program.steps)} graph steps per forward; decode "
           f"{1e3 * r.decode_seconds / steps:.2f} ms/token, of which ~{1e3 * decode_eval / steps:.2f} ms in mx.eval")
     profiler = cProfile.Profile()
     profiler.runcall(generate, Session(program, capacity=capacity, kv_dtype="bfloat16"), prompt,
