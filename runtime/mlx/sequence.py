@@ -116,8 +116,15 @@ class SequencePools:
         layout = self.policies.layouts[index]
         pools = self._pools[layer]
         at = self._memo.get(plan, ("slots", index), lambda: token_slots(plan, layout))
-        for pool, update in ((pools.k, k), (pools.v, v)):
-            pool.scatter(at.slots, update, at.top_slot, at.rows, at.top_row)
+        for pool in (pools.k, pools.v):
+            pool.reserve(at.top_row + 1, at.top_slot + 1)
+        # One flat index per step per layout and pool shape, shared by K, V and layers.
+        where = self._memo.get(
+            plan, ("index", index, pools.k.data.shape[:3]),
+            lambda: pools.k.scatter_index(at.slots, at.rows, at.top_row),
+        )
+        pools.k.write(where, k)
+        pools.v.write(where, v)
         runs = plan.runs_for_layer(layer)
         batch: Optional[PaddedBatch] = self._memo.get(
             plan, ("batch", index), lambda: plan_padded(runs, layout)
