@@ -4,7 +4,7 @@ in one process, on a Llama-3.2-1B-shaped model in bfloat16.
 Runs on the device machine, whose Python has torch (CUDA) and transformers but no MLX:
 
     python3 bench/gpu_decode.py --pte out/gpu/llama1b.pte.gz --wheels out/gpu/whl \
-        --hf-dir /root/stash/llama1b [--prompt 128 --generate 64]
+        --hf-dir /root/stash/llama1b [--prompt 128 --generate 64] [--capture on|off|both]
 
 The .pte is exported elsewhere (where executorch is) from a checkpoint of the same shape with
 all-zero weights, gzip-compressed so it can travel; speed does not depend on weight values,
@@ -103,21 +103,25 @@ def gunzip(path: Path, work: Path) -> Path:
     return out
 
 
-def bench_mlx_pte(pte: Path, prompt: list[int], n: int, capacity: int) -> tuple[float, float]:
+def bench_mlx_pte(pte: Path, prompt: list[int], n: int, capacity: int, capture: bool) -> tuple[float, float]:
     from mlx_pte.interpreter import Session, generate, load
 
     program = load(pte)
 
     def run(ids, count):
-        session = Session(program, capacity=capacity, kv_dtype="bfloat16")
+        session = Session(program, capacity=capacity, kv_dtype="bfloat16", capture=capture)
         r = generate(session, ids, max_new_tokens=count, stop_on_eos=False)
         return r.prefill_tps, r.decode_tps
 
-    run(prompt, n)  # warm-up: same shapes as the timed run
-    return run(prompt, n)
+    run(prompt, n)  # warm-up: same shapes as the timed run (compiles every bucket once)
+    before = program.compilations
+    result = run(prompt, n)
+    if program.compilations != before:
+        print(f"warning: the timed run compiled {program.compilations - before} segments", flush=True)
+    return result
 
 
-def profile_mlx_pte(pte: Path, prompt: list[int], n: int, capacity: int, top: int) -> None:
+def profile_mlx_pte(pte: Path, prompt: list[int], n: int, capacity: int, top: int, capture: bool) -> None:
     """Where mlx-pte's decode time goes: building the lazy graph on the host versus inside
     ``mx.eval`` (kernel launches and the GPU's work), then cProfile's top entries."""
     import cProfile
@@ -127,7 +131,7 @@ def profile_mlx_pte(pte: Path, prompt: list[int], n: int, capacity: int, top: in
     from mlx_pte.interpreter import Session, generate, load
 
     program = load(pte)
-    generate(Session(program, capacity=capacity, kv_dtype="bfloat16"), prompt, max_new_tokens=n, stop_on_eos=False)
+    generate(Session(program, capacity=capacity, kv_dtype="bfloat16", capture=capture), prompt, max_new_tokens=n, stop_on_eos=False)
     in_eval = [0.0]
     real_eval = mx.eval
 
@@ -138,15 +142,15 @@ def profile_mlx_pte(pte: Path, prompt: list[int], n: int, capacity: int, top: in
 
     mx.eval = timed_eval
     try:
-        r = generate(Session(program, capacity=capacity, kv_dtype="bfloat16"), prompt, max_new_tokens=n,
+        r = generate(Session(program, capacity=capacity, kv_dtype="bfloat16", capture=capture), prompt, max_new_tokens=n,
                      stop_on_eos=False)
         # The prefill's eval is in in_eval too: take it out by timing a prefill alone.
         in_eval[0] = 0.0
-        session = Session(program, capacity=capacity, kv_dtype="bfloat16")
+        session = Session(program, capacity=capacity, kv_dtype="bfloat16", capture=capture)
         session.forward(prompt, rows=[len(prompt) - 1])
         prefill_eval = in_eval[0]
         in_eval[0] = 0.0
-        r = generate(Session(program, capacity=capacity, kv_dtype="bfloat16"), prompt, max_new_tokens=n,
+        r = generate(Session(program, capacity=capacity, kv_dtype="bfloat16", capture=capture), prompt, max_new_tokens=n,
                      stop_on_eos=False)
         decode_eval = in_eval[0] - prefill_eval
     finally:
@@ -155,7 +159,7 @@ def profile_mlx_pte(pte: Path, prompt: list[int], n: int, capacity: int, top: in
     print(f"\nmlx-pte: {len(program.steps)} graph steps per forward; decode "
           f"{1e3 * r.decode_seconds / steps:.2f} ms/token, of which ~{1e3 * decode_eval / steps:.2f} ms in mx.eval")
     profiler = cProfile.Profile()
-    profiler.runcall(generate, Session(program, capacity=capacity, kv_dtype="bfloat16"), prompt,
+    profiler.runcall(generate, Session(program, capacity=capacity, kv_dtype="bfloat16", capture=capture), prompt,
                      max_new_tokens=n, stop_on_eos=False)
     pstats.Stats(profiler).sort_stats("tottime").print_stats(top)
 
@@ -216,6 +220,8 @@ def main() -> None:
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="also print cProfile's top N entries of one mlx-pte generate")
     parser.add_argument("--skip", action="append", default=[], choices=["mlx-pte", "mlx-lm", "hf"])
+    parser.add_argument("--capture", choices=["on", "off", "both"], default="both",
+                        help="mlx-pte with capture (compiled segments), without (the walk), or both rows")
     args = parser.parse_args()
 
     args.work.mkdir(parents=True, exist_ok=True)
@@ -230,12 +236,15 @@ def main() -> None:
 
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     prompt = np.random.default_rng(0).integers(0, vocab, args.prompt).tolist()
-    engines = {"mlx-pte": lambda: bench_mlx_pte(pte, prompt, args.generate, args.capacity),
-               "mlx-lm": lambda: bench_mlx_lm(model_dir, prompt, args.generate),
+    captures = {"on": [True], "off": [False], "both": [True, False]}[args.capture]
+    engines = {("mlx-pte" if c else "mlx-pte-walk"): (lambda c=c: bench_mlx_pte(pte, prompt, args.generate,
+                                                                                args.capacity, c))
+               for c in captures}
+    engines |= {"mlx-lm": lambda: bench_mlx_lm(model_dir, prompt, args.generate),
                "hf": lambda: bench_hf(model_dir, prompt, args.generate)}
     rows = {}
     for name, bench in engines.items():
-        if name not in args.skip:
+        if name.split("-walk")[0] not in args.skip:
             rows[name] = bench()
             print(f"{name}: prefill {rows[name][0]:.1f} tok/s, decode {rows[name][1]:.2f} tok/s", flush=True)
 
@@ -244,14 +253,16 @@ def main() -> None:
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA"
     print(f"\n{model_dir.name}: prompt {args.prompt}, generate {args.generate}, bfloat16, "
           f"MLX {mx.__version__} on {mx.default_device()}, torch {torch.__version__} on {gpu}")
-    print(f"{'engine':<10} {'prefill tok/s':>14} {'decode tok/s':>13} {'prefill x':>10} {'decode x':>9}")
-    base = rows.get("mlx-pte")
+    print(f"{'engine':<12} {'prefill tok/s':>14} {'decode tok/s':>13} {'prefill x':>10} {'decode x':>9}")
+    base = rows.get("mlx-pte", rows.get("mlx-pte-walk"))
     for name, (p, d) in rows.items():
         ratio = f"{base[0] / p:>10.2f} {base[1] / d:>9.2f}" if base else ""
-        print(f"{name:<10} {p:>14.1f} {d:>13.2f} {ratio}")
-    print("(x = mlx-pte speed / engine speed)")
+        print(f"{name:<12} {p:>14.1f} {d:>13.2f} {ratio}")
+    print("(x = mlx-pte speed, captured where it ran, / engine speed)")
     if args.profile:
-        profile_mlx_pte(pte, prompt, args.generate, args.capacity, args.profile)
+        for capture in captures:
+            print(f"\n-- profile, capture {'on' if capture else 'off'}")
+            profile_mlx_pte(pte, prompt, args.generate, args.capacity, args.profile, capture)
 
 
 if __name__ == "__main__":

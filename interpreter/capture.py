@@ -13,8 +13,7 @@ faster than the eager walk. The measurement is in the module's report.
 
 A ``Capture`` splits the prepared steps at every op that reads the run's context (the
 cache: ``CONTEXT_OPS``); each maximal run of other steps is a ``Segment``, compiled with
-its live-in arrays as inputs and its live-out arrays as outputs (weights are constants of
-the compiled graph). Host ints (dynamic sizes) are computed while a segment is traced and
+its live-in arrays (weights included) as inputs and its live-out arrays as outputs. Host ints (dynamic sizes) are computed while a segment is traced and
 kept per shape: they depend only on the input shapes.
 
 Shapes are bucketed so that steady decode and prefill chunks reuse compiled graphs: each
@@ -59,7 +58,7 @@ class Segment:
     """Steps with no context op, run as one compiled function."""
 
     steps: tuple[PreparedStep, ...]
-    inputs: tuple[int, ...]  # array slots it reads that earlier code wrote
+    inputs: tuple[int, ...]  # array slots it reads that earlier code (or the loader) wrote
     outputs: tuple[int, ...]  # array slots it writes that later code (or the caller) reads
     int_outputs: tuple[int, ...]  # host-int slots it writes that later code reads
 
@@ -78,7 +77,6 @@ Part = Union[Segment, ContextCall]
 def split(graph: Graph, steps: Sequence[PreparedStep]) -> list[Part]:
     """The steps cut at every context op into segments, with each segment's live slots."""
     ints = int_slots(graph)
-    constants = set(graph.constants())
     # For each slot, the last step index that reads it (graph outputs: read at the end).
     last_read: dict[int, int] = {s: len(steps) for s in graph.outputs}
     for i, step in enumerate(steps):
@@ -90,7 +88,7 @@ def split(graph: Graph, steps: Sequence[PreparedStep]) -> list[Part]:
         if i < len(steps) and steps[i].op not in CONTEXT_OPS:
             continue
         if i > start:
-            parts.append(_segment(steps, start, i, last_read, ints, constants))
+            parts.append(_segment(steps, start, i, last_read, ints))
         if i < len(steps):
             parts.append(ContextCall(steps[i], CONTEXT_OPS[steps[i].op]))
         start = i + 1
@@ -98,12 +96,14 @@ def split(graph: Graph, steps: Sequence[PreparedStep]) -> list[Part]:
 
 
 def _segment(steps: Sequence[PreparedStep], start: int, end: int, last_read: dict[int, int],
-             ints: frozenset[int], constants: set[int]) -> Segment:
+             ints: frozenset[int]) -> Segment:
     written: list[int] = []
     reads: list[int] = []
     for step in steps[start:end]:
         for s in step.reads:
-            if s not in written and s not in reads and s not in constants and s not in ints:
+            # Weights are inputs too: MLX checks a compiled function's captured arrays on
+            # every call, which costs several times what passing them does.
+            if s not in written and s not in reads and s not in ints:
                 reads.append(s)
         written.extend(step.outputs)
     live = [s for s in written if last_read.get(s, -1) >= end]

@@ -125,7 +125,7 @@ class SequencePools:
         )
         pools.k.write(where, k)
         pools.v.write(where, v)
-        runs = plan.runs_for_layer(layer)
+        runs = self._memo.get(plan, ("runs", index), lambda: plan.runs_for_layer(layer))
         batch: Optional[PaddedBatch] = self._memo.get(
             plan, ("batch", index), lambda: plan_padded(runs, layout)
         )
@@ -133,11 +133,11 @@ class SequencePools:
             return attend_padded(pools, batch, q, scale, softcap)
         outs = []
         for i, (span, run) in enumerate(runs):
-            tokens = slice(span.start, span.start + span.count)
+            queries = q if len(runs) == 1 else q[:, :, span.start : span.start + span.count]
             keys = pools.k.read_runs(span.seq_id, run.read)
             values = pools.v.read_runs(span.seq_id, run.read)
             mask = self._memo.get(plan, ("span", index, i), lambda: run_mask(run))
-            outs.append(attend(q[:, :, tokens], keys, values, scale, softcap, mask))
+            outs.append(attend(queries, keys, values, scale, softcap, mask))
         return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)
 
     def _clear_storage(self) -> None:
