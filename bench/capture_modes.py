@@ -51,11 +51,16 @@ class WholeStep:
         self.capacity = capacity
         self.position = 0
         self.program = program
+        # Weights go in as inputs: MLX checks a compiled function's captured arrays per call.
+        self.weight_slots = sorted(program.weights)
+        self.weight_list = [program.weights[s] for s in self.weight_slots]
         self.step = mx.compile(self._step)
 
-    def _step(self, tokens, positions, rows, offset, mask, ks, vs):
+    def _step(self, weights, tokens, positions, rows, offset, mask, ks, vs):
         program = self.program
         values = list(program._weight_slots)
+        for slot, w in zip(self.weight_slots, weights):
+            values[slot] = w
         for slot, a in zip(program.graph.inputs, (tokens, positions, rows)):
             values[slot] = a
         ks, vs = list(ks), list(vs)
@@ -80,11 +85,28 @@ class WholeStep:
         slot = np.arange(self.capacity)
         mask = mx.array((slot[None, :] <= pos[:, None])[None, None])
         logits, self.k, self.v = self.step(
-            tokens.astype(mx.int64).reshape(1, count), mx.array(pos), mx.array([count - 1]),
+            self.weight_list, tokens.astype(mx.int64).reshape(1, count), mx.array(pos), mx.array([count - 1]),
             mx.array([self.position], mx.int32), mask, self.k, self.v,
         )
         self.position += count
         return logits
+
+
+def generate_whole(program: Program, prompt: list[int], n: int, capacity: int) -> tuple[float, float]:
+    """Prefill and decode tok/s of ``WholeStep`` timed like ``generate()``: prefill covers
+    the prompt's forward and the first token, decode the remaining ``n - 1`` tokens."""
+    whole = WholeStep(program, capacity)
+    t0 = time.perf_counter()
+    token = mx.argmax(whole.forward(prompt)[0]).reshape(1)
+    mx.eval(token)
+    t1 = time.perf_counter()
+    for _ in range(n - 1):
+        following = mx.argmax(whole.forward(token)[0]).reshape(1)
+        mx.async_eval(following)
+        token = following
+    mx.eval(token)
+    t2 = time.perf_counter()
+    return len(prompt) / (t1 - t0), (n - 1) / (t2 - t1)
 
 
 def decode(forward, prompt: list[int], steps: int) -> tuple[list[float], list[float], list[int]]:

@@ -121,6 +121,18 @@ def bench_mlx_pte(pte: Path, prompt: list[int], n: int, capacity: int, capture: 
     return result
 
 
+def bench_mlx_pte_whole(pte: Path, prompt: list[int], n: int, capacity: int) -> tuple[float, float]:
+    """The whole-step prototype (``bench/capture_modes.py``): one compiled function per step,
+    fixed-size K/V buffers written at an array offset and read whole through an array mask."""
+    from capture_modes import generate_whole  # bench/ is on sys.path: it holds this script
+
+    from mlx_pte.interpreter import load
+
+    program = load(pte)
+    generate_whole(program, prompt, n, capacity)  # warm-up: compiles prefill and decode
+    return generate_whole(program, prompt, n, capacity)
+
+
 def profile_mlx_pte(pte: Path, prompt: list[int], n: int, capacity: int, top: int, capture: bool) -> None:
     """Where mlx-pte's decode time goes: building the lazy graph on the host versus inside
     ``mx.eval`` (kernel launches and the GPU's work), then cProfile's top entries."""
@@ -222,6 +234,8 @@ def main() -> None:
     parser.add_argument("--skip", action="append", default=[], choices=["mlx-pte", "mlx-lm", "hf"])
     parser.add_argument("--capture", choices=["on", "off", "both"], default="both",
                         help="mlx-pte with capture (compiled segments), without (the walk), or both rows")
+    parser.add_argument("--whole-step", action="store_true",
+                        help="add a row for the whole-step capture prototype (bench/capture_modes.py)")
     args = parser.parse_args()
 
     args.work.mkdir(parents=True, exist_ok=True)
@@ -240,11 +254,13 @@ def main() -> None:
     engines = {("mlx-pte" if c else "mlx-pte-walk"): (lambda c=c: bench_mlx_pte(pte, prompt, args.generate,
                                                                                 args.capacity, c))
                for c in captures}
+    if args.whole_step:
+        engines["mlx-pte-whole"] = lambda: bench_mlx_pte_whole(pte, prompt, args.generate, args.capacity)
     engines |= {"mlx-lm": lambda: bench_mlx_lm(model_dir, prompt, args.generate),
                "hf": lambda: bench_hf(model_dir, prompt, args.generate)}
     rows = {}
     for name, bench in engines.items():
-        if name.split("-walk")[0] not in args.skip:
+        if not name.startswith(tuple(args.skip)):
             rows[name] = bench()
             print(f"{name}: prefill {rows[name][0]:.1f} tok/s, decode {rows[name][1]:.2f} tok/s", flush=True)
 

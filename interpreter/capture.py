@@ -237,6 +237,10 @@ class Capture:
         values[step.outputs[0]] = _pad(out, part.axes.result, padded) if tokens != padded else out
 
     def _compile(self) -> _Shape:
+        # MLX creates the default stream on first use, and its compile cache keys each
+        # entry on that stream: a trace made before the stream exists would be missed
+        # (and retraced) on its next call.
+        mx.default_stream(mx.default_device())
         shape = _Shape(calls=[])
         for part in self.parts:
             if isinstance(part, ContextCall):

@@ -176,6 +176,22 @@ class Pool:
         flat = self.data.reshape(rows_ * heads * slots_, dim)
         self.data = mx.put_along_axis(flat, index, values, axis=0).reshape(rows_, heads, slots_, dim)
 
+    def write_runs(self, row: int, runs: Sequence[Run], starts: Sequence[mx.array], update: mx.array) -> None:
+        """Write ``update``'s tokens ([1, H, T, D]) in order over the slot ``runs`` of ``row``.
+
+        One ``slice_update`` per run (a step of one sequence has 1-2 runs): fewer and
+        cheaper ops than the flat scatter. ``starts[i]`` is ``mx.array([row, runs[i].start])``
+        (built once per step by the caller, shared by every layer).
+        """
+        self._check_update(update, sum(run.length for run in runs))
+        self.reserve(row + 1, max(run.start + run.length for run in runs))
+        update = cast(update, self.dtype)
+        offset = 0
+        for run, start in zip(runs, starts):
+            part = update if len(runs) == 1 else update[:, :, offset : offset + run.length]
+            self.data = mx.slice_update(self.data, part, start, axes=(0, 2))
+            offset += run.length
+
     def _check_update(self, update: mx.array, tokens: int) -> None:
         shape = tuple(update.shape)
         if shape != (1, self.heads, tokens, self.dim):

@@ -8,6 +8,9 @@ Compilations are counted by the program (one per segment per shape bucket).
 """
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -146,3 +149,23 @@ def test_a_step_failing_midway_leaves_the_cache_as_before(fresh_program, kind, c
     want_next = np.array(clean.forward([int(np.argmax(want[-1]))], seq_ids=ids[clean]))
     got_next = np.array(faulty.forward([int(np.argmax(got[-1]))], seq_ids=ids[faulty]))
     np.testing.assert_array_equal(got_next, want_next)
+
+
+def test_the_first_bucket_of_a_process_is_not_recompiled(tmp_path_factory, tiny_checkpoint):
+    """MLX creates its default stream on first use and keys compiled graphs on it: in a
+    fresh process whose first MLX work is a captured forward of an exact bucket size, the
+    second forward of that bucket must not compile again."""
+    path = exported_pte(tmp_path_factory, tiny_checkpoint, "llama")
+    script = (
+        "import sys\n"
+        "from mlx_pte.interpreter.program import load\n"
+        "from mlx_pte.interpreter.session import Session\n"
+        "session = Session(load(sys.argv[1]), capture=True)\n"
+        "session.forward([1, 2, 3, 4])\n"
+        "first = session.program.compilations\n"
+        "session.forward([5, 6, 7, 8])\n"
+        "print(first, session.program.compilations)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script, str(path)], capture_output=True, text=True, check=True)
+    first, after = map(int, out.stdout.split())
+    assert first > 0 and after == first
