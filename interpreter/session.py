@@ -69,7 +69,7 @@ class Session:
         backend: str = "mlx",
         initial_capacity: int = 512,
         max_seqs: Optional[int] = None,
-        capture: bool = False,
+        capture: bool = True,
     ) -> None:
         self.program = program
         self.capture = capture
