@@ -1,20 +1,32 @@
 """Graph capture: a program's forward as ``mx.compile``d segments between attention calls.
 
-Why segments, not the whole step: the whole step under one ``mx.compile`` needs the KV
-pools as fixed-size compiled state, read whole every step, so every attention, decode
-included, needs an array mask over the unwritten slots; MLX's fused decode attention
-(the CUDA vector kernel) takes no array mask, and a mask cost ~20% of decode on an H200.
-Every cache kind would also need a second, fixed-shape byte layer. Segments keep the
-cache exactly as it is (every kind, rings, forks and rewinds stay the code the eager
-path runs), read only the written history (so decode needs no mask at all), and still
-put everything else into a few compiled graphs: measured on this repository's CPU with
-the 135M benchmark model (see ``bench/decode.py --capture``), segments decode ~1.6x
-faster than the eager walk. The measurement is in the module's report.
+Why segments rather than the whole step under one ``mx.compile`` (measured with
+``bench/capture_modes.py``, which also runs a whole-step prototype: fixed-size K/V buffers
+as compiled state, written with ``slice_update`` at an array offset, read whole through an
+array mask):
+
+- On this repository's shared 2-core CPU the two are within noise of each other, and both
+  beat the walk: the bundled 4M model decodes 1.3-1.6x faster than the walk (wall time;
+  15-25% less process CPU time per step), the 135M benchmark model is matmul-bound and
+  equal in all three modes. The CPU cannot decide between them: MLX's CPU attention is
+  never the fused kernel, so the whole step's mask costs it nothing there.
+- On CUDA the mask decides: MLX's fused decode attention (the vector kernel) takes no
+  array mask, and a hand-written whole step with a mask decoded ~20% slower on an H200
+  than without. A whole step must read its fixed buffers whole, so it needs that mask on
+  every decode step; segments read exactly the written history, so decode on the
+  sequence layouts needs no mask, and a prefill whose window covers the span gets the
+  fused ``"causal"``.
+- Segments keep the cache as it is: every kind, rings past their window, forks and
+  rewinds run the byte layer the walk runs (no second, fixed-shape byte layer per kind).
+
+``bench/gpu_decode.py --capture both --whole-step`` measures all three on the GPU.
 
 A ``Capture`` splits the prepared steps at every op that reads the run's context (the
 cache: ``CONTEXT_OPS``); each maximal run of other steps is a ``Segment``, compiled with
-its live-in arrays (weights included) as inputs and its live-out arrays as outputs. Host ints (dynamic sizes) are computed while a segment is traced and
-kept per shape: they depend only on the input shapes.
+its live-in arrays (weights included) as inputs and its live-out arrays as outputs. Host
+ints (dynamic sizes) are computed while a segment is traced and kept per shape: they
+depend only on the input shapes. The KV pools never enter a compiled graph, so their
+growth (by doubling) recompiles nothing.
 
 Shapes are bucketed so that steady decode and prefill chunks reuse compiled graphs: each
 dynamic dimension is padded (with zeros) up to the next power of two, capped at its

@@ -39,6 +39,11 @@ _NP_STORAGE = {
 }
 
 
+# Input shapes whose specialised steps are kept (each is a list of step references); past
+# this, further shapes run the generic steps.
+_MAX_SHAPES = 256
+
+
 class InputError(ValueError):
     """Inputs that do not match the program's signature; the message names the input."""
 
@@ -152,7 +157,7 @@ class Program:
             values[slot] = array
         for step in steps if steps is not None else self.steps:
             step.run(values, ctx)
-        if steps is None:
+        if steps is None and len(self._by_shape) < _MAX_SHAPES:
             # Every host int is a function of the input shapes: bind them for next time.
             ints = {s: values[s] for s in self._host_ints}
             self._by_shape[key] = specialise(self.steps, ints, self._host_ints)
