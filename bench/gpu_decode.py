@@ -168,8 +168,30 @@ def profile_mlx_pte(pte: Path, prompt: list[int], n: int, capacity: int, top: in
     finally:
         mx.eval = real_eval
     steps = len(r.tokens) - 1
-    print(f"\nmlx-pte: {len(program.steps)} graph steps per forward; decode "
-          f"{1e3 * r.decode_seconds / steps:.2f} ms/token, of which ~{1e3 * decode_eval / steps:.2f} ms in mx.eval")
+    # Host time per decode step: building the step's graph (Session.forward, lazy) while
+    # the device runs the previous one.
+    in_forward = [0.0]
+    real_forward = Session.forward
+
+    def timed_forward(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return real_forward(self, *args, **kwargs)
+        finally:
+            in_forward[0] += time.perf_counter() - t0
+
+    Session.forward = timed_forward
+    try:
+        session = Session(program, capacity=capacity, kv_dtype="bfloat16", capture=capture)
+        session.forward(prompt, rows=[len(prompt) - 1])
+        in_forward[0] = 0.0
+        timed = generate(session, [1], max_new_tokens=n, stop_on_eos=False)
+    finally:
+        Session.forward = real_forward
+    host = 1e3 * in_forward[0] / max(1, len(timed.tokens))
+    print(f"\nmlx-pte (capture {'on' if capture else 'off'}): {len(program.steps)} graph steps per forward; "
+          f"decode {1e3 * r.decode_seconds / steps:.2f} ms/token, of which ~{1e3 * decode_eval / steps:.2f} ms "
+          f"in mx.eval; host {host:.2f} ms/step building the graph")
     profiler = cProfile.Profile()
     profiler.runcall(generate, Session(program, capacity=capacity, kv_dtype="bfloat16", capture=capture), prompt,
                      max_new_tokens=n, stop_on_eos=False)
