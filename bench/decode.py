@@ -52,7 +52,7 @@ def make_model(out: Path) -> Path:
     return out
 
 
-def export_variant(model_dir: Path, bits, group_size: int, out: Path) -> Path:
+def bench_mlx_pte(model_dir: Path, prompt: list[int], n: int, work: Path, captures: list[bool]) -> dict:
     from mlx_pte.export.hf_export import export_hf
     from mlx_pte.ir.quantization import QuantSpec
 
@@ -66,9 +66,13 @@ def bench_mlx_pte(pte: Path, prompt: list[int], n: int) -> tuple[float, float]:
     from mlx_pte.interpreter.session import Session
 
     program = load(pte)
-    generate(Session(program), prompt[:8], max_new_tokens=4, stop_on_eos=False)  # warm-up
-    result = generate(Session(program), prompt, max_new_tokens=n, stop_on_eos=False)
-    return result.prefill_tps, result.decode_tps
+    rows = {}
+    for capture in captures:
+        # Warm-up with the timed run's shapes: capture compiles each shape bucket once.
+        generate(Session(program, capture=capture), prompt, max_new_tokens=4, stop_on_eos=False)
+        result = generate(Session(program, capture=capture), prompt, max_new_tokens=n, stop_on_eos=False)
+        rows["mlx-pte" if capture else "mlx-pte-walk"] = (result.prefill_tps, result.decode_tps)
+    return rows
 
 
 def bench_mlx_lm(model_dir: Path, prompt: list[int], n: int, bits=None, group_size: int = 64) -> tuple[float, float]:
@@ -152,11 +156,8 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=128, help="prompt length in tokens")
     parser.add_argument("--generate", type=int, default=64, help="tokens to generate")
     parser.add_argument("--skip", action="append", default=[], choices=["mlx-lm", "hf"], help="leave a peer out")
-    parser.add_argument("--quantize", action="append", default=[], choices=tuple(QUANTIZED),
-                        help="also run this quantized variant (repeatable); fp32 always runs")
-    parser.add_argument("--group-size", type=int, default=64, help="group size of --quantize (default 64)")
-    parser.add_argument("--pte", action="append", default=[], metavar="LABEL=PATH",
-                        help="use this .pte (exported from MODEL_DIR) for variant LABEL instead of exporting")
+    parser.add_argument("--capture", choices=["on", "off", "both"], default="on",
+                        help="mlx-pte with capture (compiled segments), without (the walk), or both rows")
     args = parser.parse_args()
     model_dir = make_model(args.make_model) if args.make_model else args.model_dir
     if model_dir is None:
@@ -169,18 +170,20 @@ def main() -> None:
     labels = list(dict.fromkeys(["fp32", *given, *args.quantize]))
     rows = {}
     with tempfile.TemporaryDirectory() as work:
-        for label in labels:
-            bits = bits_of(label)
-            pte = given.get(label) or export_variant(model_dir, bits, args.group_size, Path(work) / f"{label}.pte")
-            rows["mlx-pte", label] = bench_mlx_pte(pte, prompt, args.generate)
-            print(f"mlx-pte {label}: {pte.stat().st_size:,} bytes; prefill {rows['mlx-pte', label][0]:.1f} tok/s, "
-                  f"decode {rows['mlx-pte', label][1]:.2f} tok/s", flush=True)
-            if "mlx-lm" not in args.skip:
-                rows["mlx-lm", label] = bench_mlx_lm(model_dir, prompt, args.generate, bits, args.group_size)
+        captures = {"on": [True], "off": [False], "both": [True, False]}[args.capture]
+        rows.update(bench_mlx_pte(model_dir, prompt, args.generate, Path(work), captures))
+    if "mlx-lm" not in args.skip:
+        rows["mlx-lm"] = bench_mlx_lm(model_dir, prompt, args.generate)
     if "hf" not in args.skip:
-        rows["hf-eager", "fp32"] = bench_hf(model_dir, prompt, args.generate)
-    print_table(f"{model_dir}: prompt {args.prompt}, generate {args.generate}, float32 activations, "
-                f"groups of {args.group_size}, device {mx.default_device()}", rows)
+        rows["hf-eager"] = bench_hf(model_dir, prompt, args.generate)
+
+    print(f"\n{model_dir}: prompt {args.prompt}, generate {args.generate}, float32, device {mx.default_device()}")
+    print(f"{'engine':<12} {'prefill tok/s':>14} {'decode tok/s':>13} {'prefill x':>10} {'decode x':>9}")
+    base_p, base_d = next(iter(rows.values()))
+    for name, (p, d) in rows.items():
+        print(f"{name:<12} {p:>14.1f} {d:>13.2f} {base_p / p:>10.2f} {base_d / d:>9.2f}")
+    print("(x = the first mlx-pte row's speed / engine speed)")
+
 
 if __name__ == "__main__":
     main()

@@ -4,10 +4,7 @@ in one process, on a Llama-3.2-1B-shaped model in bfloat16.
 Runs on the device machine, whose Python has torch (CUDA) and transformers but no MLX:
 
     python3 bench/gpu_decode.py --pte out/gpu/llama1b.pte.gz --wheels out/gpu/whl \
-        --hf-dir /root/stash/llama1b [--prompt 128 --generate 64]
-    # bf16 vs q8 vs q4 (group 64), mlx-pte against mlx-lm quantized the same way:
-    python3 bench/gpu_decode.py --pte bf16=llama1b.pte.gz --pte q8=llama1b-q8.pte.gz \
-        --pte q4=llama1b-q4.pte.gz --group-size 64 --wheels out/gpu/whl --hf-dir /root/stash/llama1b
+        --hf-dir /root/stash/llama1b [--prompt 128 --generate 64] [--capture on|off|both]
 
 Each .pte is exported elsewhere (where executorch is) from a checkpoint of the same shape with
 all-zero weights (``mlx-pte export DIR -o q4.pte --dtype bfloat16 --quantize q4 --group-size 64``),
@@ -111,21 +108,37 @@ def gunzip(path: Path, work: Path) -> Path:
     return out
 
 
-def bench_mlx_pte(pte: Path, prompt: list[int], n: int, capacity: int) -> tuple[float, float]:
+def bench_mlx_pte(pte: Path, prompt: list[int], n: int, capacity: int, capture: bool) -> tuple[float, float]:
     from mlx_pte.interpreter import Session, generate, load
 
     program = load(pte)
 
     def run(ids, count):
-        session = Session(program, capacity=capacity, kv_dtype="bfloat16")
+        session = Session(program, capacity=capacity, kv_dtype="bfloat16", capture=capture)
         r = generate(session, ids, max_new_tokens=count, stop_on_eos=False)
         return r.prefill_tps, r.decode_tps
 
-    run(prompt, n)  # warm-up: same shapes as the timed run
-    return run(prompt, n)
+    run(prompt, n)  # warm-up: same shapes as the timed run (compiles every bucket once)
+    before = program.compilations
+    result = run(prompt, n)
+    if program.compilations != before:
+        print(f"warning: the timed run compiled {program.compilations - before} segments", flush=True)
+    return result
 
 
-def profile_mlx_pte(pte: Path, prompt: list[int], n: int, capacity: int, top: int) -> None:
+def bench_mlx_pte_whole(pte: Path, prompt: list[int], n: int, capacity: int) -> tuple[float, float]:
+    """The whole-step prototype (``bench/capture_modes.py``): one compiled function per step,
+    fixed-size K/V buffers written at an array offset and read whole through an array mask."""
+    from capture_modes import generate_whole  # bench/ is on sys.path: it holds this script
+
+    from mlx_pte.interpreter import load
+
+    program = load(pte)
+    generate_whole(program, prompt, n, capacity)  # warm-up: compiles prefill and decode
+    return generate_whole(program, prompt, n, capacity)
+
+
+def profile_mlx_pte(pte: Path, prompt: list[int], n: int, capacity: int, top: int, capture: bool) -> None:
     """Where mlx-pte's decode time goes: building the lazy graph on the host versus inside
     ``mx.eval`` (kernel launches and the GPU's work), then cProfile's top entries."""
     import cProfile
@@ -135,7 +148,7 @@ def profile_mlx_pte(pte: Path, prompt: list[int], n: int, capacity: int, top: in
     from mlx_pte.interpreter import Session, generate, load
 
     program = load(pte)
-    generate(Session(program, capacity=capacity, kv_dtype="bfloat16"), prompt, max_new_tokens=n, stop_on_eos=False)
+    generate(Session(program, capacity=capacity, kv_dtype="bfloat16", capture=capture), prompt, max_new_tokens=n, stop_on_eos=False)
     in_eval = [0.0]
     real_eval = mx.eval
 
@@ -146,24 +159,46 @@ def profile_mlx_pte(pte: Path, prompt: list[int], n: int, capacity: int, top: in
 
     mx.eval = timed_eval
     try:
-        r = generate(Session(program, capacity=capacity, kv_dtype="bfloat16"), prompt, max_new_tokens=n,
+        r = generate(Session(program, capacity=capacity, kv_dtype="bfloat16", capture=capture), prompt, max_new_tokens=n,
                      stop_on_eos=False)
         # The prefill's eval is in in_eval too: take it out by timing a prefill alone.
         in_eval[0] = 0.0
-        session = Session(program, capacity=capacity, kv_dtype="bfloat16")
+        session = Session(program, capacity=capacity, kv_dtype="bfloat16", capture=capture)
         session.forward(prompt, rows=[len(prompt) - 1])
         prefill_eval = in_eval[0]
         in_eval[0] = 0.0
-        r = generate(Session(program, capacity=capacity, kv_dtype="bfloat16"), prompt, max_new_tokens=n,
+        r = generate(Session(program, capacity=capacity, kv_dtype="bfloat16", capture=capture), prompt, max_new_tokens=n,
                      stop_on_eos=False)
         decode_eval = in_eval[0] - prefill_eval
     finally:
         mx.eval = real_eval
     steps = len(r.tokens) - 1
-    print(f"\nmlx-pte: {len(program._steps)} graph steps per forward; decode "
-          f"{1e3 * r.decode_seconds / steps:.2f} ms/token, of which ~{1e3 * decode_eval / steps:.2f} ms in mx.eval")
+    # Host time per decode step: building the step's graph (Session.forward, lazy) while
+    # the device runs the previous one.
+    in_forward = [0.0]
+    real_forward = Session.forward
+
+    def timed_forward(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return real_forward(self, *args, **kwargs)
+        finally:
+            in_forward[0] += time.perf_counter() - t0
+
+    Session.forward = timed_forward
+    try:
+        session = Session(program, capacity=capacity, kv_dtype="bfloat16", capture=capture)
+        session.forward(prompt, rows=[len(prompt) - 1])
+        in_forward[0] = 0.0
+        timed = generate(session, [1], max_new_tokens=n, stop_on_eos=False)
+    finally:
+        Session.forward = real_forward
+    host = 1e3 * in_forward[0] / max(1, len(timed.tokens))
+    print(f"\nmlx-pte (capture {'on' if capture else 'off'}): {len(program.steps)} graph steps per forward; "
+          f"decode {1e3 * r.decode_seconds / steps:.2f} ms/token, of which ~{1e3 * decode_eval / steps:.2f} ms "
+          f"in mx.eval; host {host:.2f} ms/step building the graph")
     profiler = cProfile.Profile()
-    profiler.runcall(generate, Session(program, capacity=capacity, kv_dtype="bfloat16"), prompt,
+    profiler.runcall(generate, Session(program, capacity=capacity, kv_dtype="bfloat16", capture=capture), prompt,
                      max_new_tokens=n, stop_on_eos=False)
     pstats.Stats(profiler).sort_stats("tottime").print_stats(top)
 
@@ -250,10 +285,11 @@ def main() -> None:
     parser.add_argument("--capacity", type=int, default=1024, help="mlx-pte cache capacity")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="also print cProfile's top N entries of one mlx-pte generate")
-    parser.add_argument("--skip", action="append", default=[], choices=["mlx-pte", "mlx-lm", "hf", "hf-static"])
-    parser.add_argument("--batches", metavar="B,B,...",
-                        help="instead: aggregate decode of B concurrent requests, batched-sequence vs mlx-lm's "
-                             "BatchGenerator (bench/batched.py on the same .pte and checkpoint)")
+    parser.add_argument("--skip", action="append", default=[], choices=["mlx-pte", "mlx-lm", "hf"])
+    parser.add_argument("--capture", choices=["on", "off", "both"], default="both",
+                        help="mlx-pte with capture (compiled segments), without (the walk), or both rows")
+    parser.add_argument("--whole-step", action="store_true",
+                        help="add a row for the whole-step capture prototype (bench/capture_modes.py)")
     args = parser.parse_args()
 
     args.work.mkdir(parents=True, exist_ok=True)
@@ -277,31 +313,35 @@ def main() -> None:
         return
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     prompt = np.random.default_rng(0).integers(0, vocab, args.prompt).tolist()
-    benches = []
-    for label, pte in ptes.items():
-        if "mlx-pte" not in args.skip:
-            benches.append((("mlx-pte", label), lambda pte=pte: bench_mlx_pte(pte, prompt, args.generate, args.capacity)))
-        if "mlx-lm" not in args.skip:
-            bits = bits_of(label)
-            benches.append((("mlx-lm", label),
-                            lambda bits=bits: bench_mlx_lm(model_dir, prompt, args.generate, bits, args.group_size)))
-    if "hf" not in args.skip:
-        benches.append((("hf", "bf16"), lambda: bench_hf(model_dir, prompt, args.generate)))
+    captures = {"on": [True], "off": [False], "both": [True, False]}[args.capture]
+    engines = {("mlx-pte" if c else "mlx-pte-walk"): (lambda c=c: bench_mlx_pte(pte, prompt, args.generate,
+                                                                                args.capacity, c))
+               for c in captures}
+    if args.whole_step:
+        engines["mlx-pte-whole"] = lambda: bench_mlx_pte_whole(pte, prompt, args.generate, args.capacity)
+    engines |= {"mlx-lm": lambda: bench_mlx_lm(model_dir, prompt, args.generate),
+               "hf": lambda: bench_hf(model_dir, prompt, args.generate)}
     rows = {}
-    for key, bench in benches:
-        rows[key] = bench()
-        print(f"{key[0]} {key[1]}: prefill {rows[key][0]:.1f} tok/s, decode {rows[key][1]:.2f} tok/s", flush=True)
+    for name, bench in engines.items():
+        if not name.startswith(tuple(args.skip)):
+            rows[name] = bench()
+            print(f"{name}: prefill {rows[name][0]:.1f} tok/s, decode {rows[name][1]:.2f} tok/s", flush=True)
 
     import torch
 
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA"
-    print_table(f"{model_dir.name}: prompt {args.prompt}, generate {args.generate}, bfloat16 activations, "
-                f"groups of {args.group_size}, MLX {mx.__version__} on {mx.default_device()}, torch "
-                f"{torch.__version__} on {gpu}", rows)
+    print(f"\n{model_dir.name}: prompt {args.prompt}, generate {args.generate}, bfloat16, "
+          f"MLX {mx.__version__} on {mx.default_device()}, torch {torch.__version__} on {gpu}")
+    print(f"{'engine':<12} {'prefill tok/s':>14} {'decode tok/s':>13} {'prefill x':>10} {'decode x':>9}")
+    base = rows.get("mlx-pte", rows.get("mlx-pte-walk"))
+    for name, (p, d) in rows.items():
+        ratio = f"{base[0] / p:>10.2f} {base[1] / d:>9.2f}" if base else ""
+        print(f"{name:<12} {p:>14.1f} {d:>13.2f} {ratio}")
+    print("(x = mlx-pte speed, captured where it ran, / engine speed)")
     if args.profile:
-        label, pte = next(iter(ptes.items()))
-        print(f"\nprofile of mlx-pte {label}:")
-        profile_mlx_pte(pte, prompt, args.generate, args.capacity, args.profile)
+        for capture in captures:
+            print(f"\n-- profile, capture {'on' if capture else 'off'}")
+            profile_mlx_pte(pte, prompt, args.generate, args.capacity, args.profile, capture)
 
 
 if __name__ == "__main__":
