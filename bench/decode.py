@@ -1,5 +1,5 @@
-"""Prefill and decode speed of mlx-pte against mlx-lm and HF eager, on one checkpoint, in
-one run of this script.
+"""Prefill and decode speed of mlx-pte against mlx-lm and HF eager on the CPU, on one
+checkpoint, in one run of this script.
 
     .venv/bin/python bench/decode.py MODEL_DIR [--prompt 128 --generate 64]
     .venv/bin/python bench/decode.py --make-model /tmp/llama135m   # a 135M Llama-shaped
@@ -8,39 +8,48 @@ one run of this script.
     .venv/bin/python bench/decode.py MODEL_DIR --quantize q8 --quantize q4 --group-size 64 --skip hf
     # ... reusing .pte files already exported from MODEL_DIR:
     .venv/bin/python bench/decode.py MODEL_DIR --pte fp32=fp32.pte --pte q8=q8.pte --pte q4=q4.pte
+    # mlx-pte captured (compiled segments) and walked op by op:
+    .venv/bin/python bench/decode.py MODEL_DIR --capture both
 
 Every engine decodes greedily from the same random prompt ids without stopping at eos,
 computing in float32. Prefill time covers the prompt's forward(s) and the first token;
 decode time covers the remaining tokens. mlx-lm's q8/q4 rows quantize its float32 model
 in-process with ``mlx_lm.utils.quantize_model`` (what ``mlx_lm.convert -q`` does).
+
+Each export and each timed row runs in its own process, importing only what it needs, so
+none is slowed by another's libraries (HF eager by the OpenBLAS that MLX loads: see
+mlx_pte/runtime/mlx/blas.py; a process that uses torch imports it first).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import asdict
 from pathlib import Path
+from typing import Any, Optional
 
 import numpy as np
 
-import mlx_pte.runtime.mlx.blas  # noqa: F401  (before mlx.core: fast BLAS)
-import mlx.core as mx
-from variants import QUANTIZED, bits_of, parse_pte, print_table, quantize_mlx_lm
+from decode_table import Rates, print_table
+from variants import QUANTIZED, bits_of, parse_pte
+
+FULL = "fp32"  # this bench's full-precision label
+CAPTURES = {"on": [True], "off": [False], "both": [True, False]}
 
 
-def make_model(out: Path) -> Path:
-    """A SmolLM-135M-shaped Llama checkpoint with random weights (no download)."""
+def make_model(out: Path, layers: int) -> Path:
+    """A SmolLM-135M-shaped Llama checkpoint (``layers`` layers) with random weights (no download)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    import shutil
-
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=layers,
         num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048,
         tie_word_embeddings=True, rope_theta=10000.0,
     )
@@ -52,58 +61,69 @@ def make_model(out: Path) -> Path:
     return out
 
 
-def bench_mlx_pte(model_dir: Path, prompt: list[int], n: int, work: Path, captures: list[bool]) -> dict:
+# --- jobs: each runs in a fresh process (``--engine-job``) and returns JSON --------------
+
+
+def export_job(job: dict) -> str:
+    import torch  # noqa: F401  (the export uses it: before the OpenBLAS loader)
+
     from mlx_pte.export.hf_export import export_hf
     from mlx_pte.ir.quantization import QuantSpec
 
-    spec = None if bits is None else QuantSpec("affine", bits, group_size)
-    return export_hf(model_dir, out, dtype="float32", max_step=256, progress=False, quantize=spec)
+    bits = job["bits"]
+    spec = None if bits is None else QuantSpec("affine", bits, job["group_size"])
+    return str(export_hf(Path(job["model_dir"]), Path(job["out"]), dtype="float32", max_step=256,
+                         progress=False, quantize=spec))
 
 
-def bench_mlx_pte(pte: Path, prompt: list[int], n: int) -> tuple[float, float]:
-    from mlx_pte.interpreter import load
-    from mlx_pte.interpreter.generation import generate
-    from mlx_pte.interpreter.session import Session
+def mlx_pte_job(job: dict) -> dict:
+    from mlx_pte.interpreter import Session, generate, load
+    from step_split import host_device_ms
 
-    program = load(pte)
-    rows = {}
-    for capture in captures:
-        # Warm-up with the timed run's shapes: capture compiles each shape bucket once.
-        generate(Session(program, capture=capture), prompt, max_new_tokens=4, stop_on_eos=False)
-        result = generate(Session(program, capture=capture), prompt, max_new_tokens=n, stop_on_eos=False)
-        rows["mlx-pte" if capture else "mlx-pte-walk"] = (result.prefill_tps, result.decode_tps)
-    return rows
+    program = load(Path(job["pte"]))
+    prompt, n, capture = job["prompt"], job["generate"], job["capture"]
+    # Warm-up with the timed run's shapes: capture compiles each shape bucket once.
+    generate(Session(program, capture=capture), prompt, max_new_tokens=4, stop_on_eos=False)
+    result = generate(Session(program, capture=capture), prompt, max_new_tokens=n, stop_on_eos=False)
+    session = Session(program, capture=capture)
+    host, device = host_device_ms(lambda t: session.forward(t, evaluate=False), prompt, n - 1, session.max_step)
+    return asdict(Rates(result.prefill_tps, result.decode_tps, host, device))
 
 
-def bench_mlx_lm(model_dir: Path, prompt: list[int], n: int, bits=None, group_size: int = 64) -> tuple[float, float]:
-    import json
-
+def mlx_lm_job(job: dict) -> dict:
+    import mlx_pte.runtime.mlx.blas  # noqa: F401  (before mlx.core: fast BLAS)
+    import mlx.core as mx
     from mlx.utils import tree_map
     from mlx_lm import load as mlx_lm_load
     from mlx_lm.generate import generate_step
 
+    from variants import quantize_mlx_lm
+
+    model_dir, prompt, n = Path(job["model_dir"]), job["prompt"], job["generate"]
     model, _ = mlx_lm_load(str(model_dir))
     model.update(tree_map(lambda p: p.astype(mx.float32), model.parameters()))
-    model = quantize_mlx_lm(model, json.loads((model_dir / "config.json").read_text()), bits, group_size)
+    config = json.loads((model_dir / "config.json").read_text())
+    model = quantize_mlx_lm(model, config, job["bits"], job["group_size"])
 
     def run(ids, count):
         t0 = time.perf_counter()
-        first = None
-        for i, (token, _) in zip(range(count), generate_step(mx.array(ids), model, max_tokens=count)):
+        first = t0
+        for i, _ in zip(range(count), generate_step(mx.array(ids), model, max_tokens=count)):
             if i == 0:
                 first = time.perf_counter()
         return first - t0, time.perf_counter() - first
 
     run(prompt[:8], 4)
     prefill, decode = run(prompt, n)
-    return len(prompt) / prefill, (n - 1) / decode
+    return asdict(Rates(len(prompt) / prefill, (n - 1) / decode))
 
 
-def bench_hf(model_dir: Path, prompt: list[int], n: int) -> tuple[float, float]:
+def hf_job(job: dict) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, local_files_only=True).eval()
+    prompt, n = job["prompt"], job["generate"]
+    model = AutoModelForCausalLM.from_pretrained(job["model_dir"], dtype=torch.float32, local_files_only=True).eval()
 
     @torch.no_grad()
     def run(ids, count):
@@ -119,31 +139,41 @@ def bench_hf(model_dir: Path, prompt: list[int], n: int) -> tuple[float, float]:
 
     run(prompt[:8], 4)
     prefill, decode = run(prompt, n)
-    return len(prompt) / prefill, (n - 1) / decode
+    return asdict(Rates(len(prompt) / prefill, (n - 1) / decode))
 
 
-ENGINES = {"mlx-pte": bench_mlx_pte, "mlx-lm": bench_mlx_lm, "hf-eager": bench_hf}
+def device_job(job: dict) -> str:
+    import mlx_pte.runtime.mlx.blas  # noqa: F401  (before mlx.core: fast BLAS)
+    import mlx.core as mx
+
+    return str(mx.default_device())
 
 
-def run_engine(name: str, model_dir: Path, prompt: list[int], n: int) -> tuple[float, float]:
-    """(prefill, decode) tok/s of one engine, measured in a fresh process."""
-    job = json.dumps({"engine": name, "model_dir": str(model_dir), "prompt": prompt, "generate": n})
-    out = subprocess.run([sys.executable, __file__, "--engine-job", job], capture_output=True, text=True)
+JOBS = {"export": export_job, "mlx-pte": mlx_pte_job, "mlx-lm": mlx_lm_job, "hf-eager": hf_job,
+        "device": device_job}
+
+
+def run_job(kind: str, **job: Any) -> Any:
+    """The result of job ``kind``, run in a fresh process of this script."""
+    spec = json.dumps({"kind": kind, **job})
+    out = subprocess.run([sys.executable, __file__, "--engine-job", spec], capture_output=True, text=True)
     if out.returncode:
-        sys.exit(f"error: {name} failed:\n{out.stderr[-3000:]}")
-    prefill, decode = json.loads(out.stdout.strip().splitlines()[-1])
-    return prefill, decode
+        sys.exit(f"error: the {kind} job failed ({job.get('label', '')}):\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def engine_job(spec: str) -> None:
     job = json.loads(spec)
-    rates = ENGINES[job["engine"]](Path(job["model_dir"]), job["prompt"], job["generate"])
-    print(json.dumps(rates))
+    print(json.dumps(JOBS[job["kind"]](job)))
 
 
-def mlx_device() -> str:
-    code = "import mlx_pte.runtime.mlx.blas, mlx.core as mx; print(mx.default_device())"
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip()
+# --- the run ------------------------------------------------------------------------------
+
+
+def timed(row: str, kind: str, label: str, **job: Any) -> Rates:
+    rates = Rates(**run_job(kind, label=label, **job))
+    print(f"{row} {label}: prefill {rates.prefill_tps:.1f} tok/s, decode {rates.decode_tps:.2f} tok/s", flush=True)
+    return rates
 
 
 def main() -> None:
@@ -152,37 +182,54 @@ def main() -> None:
         return
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model_dir", nargs="?", type=Path, help="local HF checkpoint directory")
-    parser.add_argument("--make-model", type=Path, help="write a 135M Llama-shaped checkpoint here and use it")
+    parser.add_argument("--make-model", type=Path, metavar="DIR",
+                        help="write a 135M Llama-shaped checkpoint (random weights) here and use it")
+    parser.add_argument("--layers", type=int, default=30, help="layers of --make-model's checkpoint (default 30)")
     parser.add_argument("--prompt", type=int, default=128, help="prompt length in tokens")
-    parser.add_argument("--generate", type=int, default=64, help="tokens to generate")
+    parser.add_argument("--generate", type=int, default=64, help="tokens to generate (at least 2)")
     parser.add_argument("--skip", action="append", default=[], choices=["mlx-lm", "hf"], help="leave a peer out")
-    parser.add_argument("--capture", choices=["on", "off", "both"], default="on",
+    parser.add_argument("--quantize", action="append", default=[], choices=tuple(QUANTIZED),
+                        help="also run this quantized variant (repeatable); fp32 always runs")
+    parser.add_argument("--group-size", type=int, default=64, help="group size of --quantize (default 64)")
+    parser.add_argument("--pte", action="append", default=[], metavar="[LABEL=]PATH",
+                        help="use this .pte (exported from MODEL_DIR) for variant LABEL (default fp32) "
+                             "instead of exporting")
+    parser.add_argument("--capture", choices=tuple(CAPTURES), default="on",
                         help="mlx-pte with capture (compiled segments), without (the walk), or both rows")
     args = parser.parse_args()
-    model_dir = make_model(args.make_model) if args.make_model else args.model_dir
-    if model_dir is None:
+    if (args.model_dir is None) == (args.make_model is None):
         parser.error("give MODEL_DIR or --make-model DIR")
+    if args.generate < 2:
+        parser.error("--generate must be at least 2 (decode speed needs a token after the first)")
+    given = dict(parse_pte(arg, FULL) for arg in args.pte)
+    for label, path in given.items():
+        if not path.is_file():
+            parser.error(f"--pte {label}={path}: no such file")
+    model_dir = make_model(args.make_model, args.layers) if args.make_model else args.model_dir
+    if not (model_dir / "config.json").is_file():
+        parser.error(f"{model_dir} has no config.json: give a Hugging Face checkpoint directory")
 
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     prompt = np.random.default_rng(0).integers(0, vocab, args.prompt).tolist()
-
-    given = dict(parse_pte(arg, "fp32") for arg in args.pte)
-    labels = list(dict.fromkeys(["fp32", *given, *args.quantize]))
-    rows = {}
+    common = dict(prompt=prompt, generate=args.generate)
+    labels = list(dict.fromkeys([FULL, *given, *args.quantize]))
+    rows: dict[tuple[str, str], Rates] = {}
     with tempfile.TemporaryDirectory() as work:
-        captures = {"on": [True], "off": [False], "both": [True, False]}[args.capture]
-        rows.update(bench_mlx_pte(model_dir, prompt, args.generate, Path(work), captures))
-    if "mlx-lm" not in args.skip:
-        rows["mlx-lm"] = bench_mlx_lm(model_dir, prompt, args.generate)
+        for label in labels:
+            bits: Optional[int] = bits_of(label)
+            pte = given.get(label) or Path(run_job("export", label=label, model_dir=str(model_dir), bits=bits,
+                                                   group_size=args.group_size, out=f"{work}/{label}.pte"))
+            print(f"mlx-pte {label}: {pte.stat().st_size:,} bytes", flush=True)
+            for capture in CAPTURES[args.capture]:
+                engine = "mlx-pte" if capture else "mlx-pte-walk"
+                rows[engine, label] = timed(engine, "mlx-pte", label, pte=str(pte), capture=capture, **common)
+            if "mlx-lm" not in args.skip:
+                rows["mlx-lm", label] = timed("mlx-lm", "mlx-lm", label, model_dir=str(model_dir), bits=bits,
+                                              group_size=args.group_size, **common)
     if "hf" not in args.skip:
-        rows["hf-eager"] = bench_hf(model_dir, prompt, args.generate)
-
-    print(f"\n{model_dir}: prompt {args.prompt}, generate {args.generate}, float32, device {mx.default_device()}")
-    print(f"{'engine':<12} {'prefill tok/s':>14} {'decode tok/s':>13} {'prefill x':>10} {'decode x':>9}")
-    base_p, base_d = next(iter(rows.values()))
-    for name, (p, d) in rows.items():
-        print(f"{name:<12} {p:>14.1f} {d:>13.2f} {base_p / p:>10.2f} {base_d / d:>9.2f}")
-    print("(x = the first mlx-pte row's speed / engine speed)")
+        rows["hf-eager", FULL] = timed("hf-eager", "hf-eager", FULL, model_dir=str(model_dir), **common)
+    print_table(f"{model_dir}: prompt {args.prompt}, generate {args.generate}, float32 activations, "
+                f"groups of {args.group_size}, device {run_job('device')}, one process per row", rows)
 
 
 if __name__ == "__main__":

@@ -37,21 +37,3 @@ def quantize_mlx_lm(model, config: dict, bits: Optional[int], group_size: int):
 
     model, _ = quantize_model(model, config, group_size=group_size, bits=bits)
     return model
-
-
-def print_table(title: str, rows: dict[tuple[str, str], tuple[float, float]]) -> None:
-    """Rows (engine, variant) -> (prefill, decode tok/s), then the ratios the quantization
-    targets name: mlx-pte q4 against mlx-lm q4 and against mlx-pte at full precision."""
-    print(f"\n{title}")
-    print(f"{'engine':<10} {'weights':<8} {'prefill tok/s':>14} {'decode tok/s':>13}")
-    for (engine, label), (p, d) in rows.items():
-        print(f"{engine:<10} {label:<8} {p:>14.1f} {d:>13.2f}")
-    full = next((label for engine, label in rows if engine == "mlx-pte" and label in FULL_PRECISION), None)
-    for label in QUANTIZED:
-        ours = rows.get(("mlx-pte", label))
-        if ours is None:
-            continue
-        for other in (("mlx-lm", label), ("mlx-pte", full)):
-            if other in rows:
-                p, d = rows[other]
-                print(f"mlx-pte {label} / {other[0]} {other[1]}: prefill {ours[0] / p:.2f}x, decode {ours[1] / d:.2f}x")
