@@ -34,6 +34,7 @@ import torch  # noqa: F401  (the export uses it: before the OpenBLAS loader, see
 
 import mlx_pte.runtime.mlx.blas  # noqa: F401  (before mlx.core: fast BLAS)
 import mlx.core as mx
+from variants import load_mlx_lm
 
 KINDS = ("batched-cell", "batched-sequence")
 
@@ -76,15 +77,6 @@ def bench_mlx_lm(model, prompts: list[list[int]], n: int) -> Rates:
     gen.close()
     assert produced == len(prompts) * n
     return Rates(stats.generation_tps, len(prompts) * n / wall)
-
-
-def load_mlx_lm(model_dir: Path, dtype: str):
-    from mlx.utils import tree_map
-    from mlx_lm import load as mlx_lm_load
-
-    model, _ = mlx_lm_load(str(model_dir))
-    model.update(tree_map(lambda p: p.astype(getattr(mx, dtype)), model.parameters()))
-    return model
 
 
 def main() -> None:

@@ -93,17 +93,12 @@ def mlx_pte_job(job: dict) -> dict:
 def mlx_lm_job(job: dict) -> dict:
     import mlx_pte.runtime.mlx.blas  # noqa: F401  (before mlx.core: fast BLAS)
     import mlx.core as mx
-    from mlx.utils import tree_map
-    from mlx_lm import load as mlx_lm_load
     from mlx_lm.generate import generate_step
 
-    from variants import quantize_mlx_lm
+    from variants import load_mlx_lm
 
-    model_dir, prompt, n = Path(job["model_dir"]), job["prompt"], job["generate"]
-    model, _ = mlx_lm_load(str(model_dir))
-    model.update(tree_map(lambda p: p.astype(mx.float32), model.parameters()))
-    config = json.loads((model_dir / "config.json").read_text())
-    model = quantize_mlx_lm(model, config, job["bits"], job["group_size"])
+    prompt, n = job["prompt"], job["generate"]
+    model = load_mlx_lm(Path(job["model_dir"]), "float32", job["bits"], job["group_size"])
 
     def run(ids, count):
         t0 = time.perf_counter()

@@ -1,26 +1,41 @@
-"""Decode speed of mlx-pte against mlx-lm and HF eager on an NVIDIA GPU (MLX's CUDA backend),
-in one process, on a Llama-3.2-1B-shaped model in bfloat16.
+"""Decode speed of mlx-pte against mlx-lm and HF on an NVIDIA GPU (MLX's CUDA backend), in
+one process, on a Llama-3.2-1B-shaped model in bfloat16.
 
 Runs on the device machine, whose Python has torch (CUDA) and transformers but no MLX:
 
-    python3 bench/gpu_decode.py --pte out/gpu/llama1b.pte.gz --wheels out/gpu/whl \
+    python3 bench/gpu_decode.py --pte .gpu/llama1b-bf16.pte.gz --wheels .whl \
         --hf-dir /root/stash/llama1b [--prompt 128 --generate 64] [--capture on|off|both]
+    # bf16 vs q8 vs q4 (group 64), mlx-pte against mlx-lm quantized the same way:
+    python3 bench/gpu_decode.py --pte bf16=.gpu/llama1b-bf16.pte.gz --pte q8=.gpu/llama1b-q8.pte.gz \
+        --pte q4=.gpu/llama1b-q4.pte.gz --group-size 64 --skip hf --skip hf-static --wheels .whl \
+        --hf-dir /root/stash/llama1b
+    # aggregate decode of B concurrent requests (bench/batched.py), batched-sequence vs mlx-lm:
+    python3 bench/gpu_decode.py --pte .gpu/llama1b-bf16.pte.gz --wheels .whl --hf-dir /root/stash/llama1b \
+        --batches 1,8,32,64
 
 Each .pte is exported elsewhere (where executorch is) from a checkpoint of the same shape with
 all-zero weights (``mlx-pte export DIR -o q4.pte --dtype bfloat16 --quantize q4 --group-size 64``),
 gzip-compressed so it can travel; speed does not depend on weight values (zeros quantize to
-zero scales, but the kernels do the same work), so mlx-lm and HF eager read a same-shaped
+zero scales, but the kernels do the same work), so mlx-lm and HF read a same-shaped
 checkpoint made here; mlx-lm's rows for q8/q4 quantize it in-process with
-``mlx_lm.utils.quantize_model`` (what ``mlx_lm.convert -q`` does) at the same group size. ``--wheels DIR`` holds MLX's
-CUDA wheel (whole, or split as cuda.part.NN) and the mlx, mlx-lm wheels, installed into
-``--site``. Every engine decodes greedily from the same random prompt ids without stopping
+``mlx_lm.utils.quantize_model`` (what ``mlx_lm.convert -q`` does) at the same group size.
+``--wheels DIR`` holds MLX's CUDA wheel (whole, or split as cuda.part.NN) and the mlx, mlx-lm
+wheels, installed into ``--site``; with it, MLX must then run on the GPU or the script stops.
+
+Rows: mlx-pte captured (``mlx-pte``) and walked (``mlx-pte-walk``) per ``--capture``, the
+whole-step prototype (``--whole-step``), mlx-lm, HF eager (a loop of forwards with its
+dynamic cache) and HF static (``generate`` with a static cache, which transformers
+compiles). Every engine decodes greedily from the same random prompt ids without stopping
 at eos; prefill time covers the prompt's forward and the first token, decode time the rest.
+mlx-pte rows also give the decode step's host ms (building its lazy graph) and device ms
+(``mx.eval`` of it with nothing else in flight): see bench/step_split.py.
 """
 from __future__ import annotations
 
 import argparse
 import gzip
 import json
+import os
 import shutil
 import site
 import subprocess
@@ -30,7 +45,9 @@ from pathlib import Path
 
 import numpy as np
 
-from variants import bits_of, parse_pte, print_table, quantize_mlx_lm
+from decode_table import Rates, print_table
+from step_split import host_device_ms
+from variants import FULL_PRECISION, bits_of, load_mlx_lm, parse_pte
 
 REPO = Path(__file__).resolve().parents[1]
 # The project's top-level folders map into the mlx_pte namespace (pyproject's package-dir).
@@ -100,116 +117,83 @@ def make_checkpoint(out: Path) -> Path:
 
 
 def gunzip(path: Path, work: Path) -> Path:
+    """``path`` itself, or its decompressed copy in ``work`` (reused while newer than ``path``)."""
+    if not path.is_file():
+        raise SystemExit(f"error: {path}: no such file")
     if path.suffix != ".gz":
         return path
     out = work / path.stem
-    with gzip.open(path, "rb") as src, open(out, "wb") as dst:
+    if out.is_file() and out.stat().st_mtime >= path.stat().st_mtime:
+        return out
+    partial = out.with_name(out.name + ".part")
+    with gzip.open(path, "rb") as src, open(partial, "wb") as dst:
         shutil.copyfileobj(src, dst, 1 << 24)
+    os.replace(partial, out)  # whole or absent: a reused copy is never a truncated one
     return out
 
 
-def bench_mlx_pte(pte: Path, prompt: list[int], n: int, capacity: int, capture: bool) -> tuple[float, float]:
-    from mlx_pte.interpreter import Session, generate, load
+def check_mlx_device(wheels: bool) -> str:
+    """MLX's device, after checking that installed wheels did give MLX the GPU."""
+    import mlx.core as mx
 
-    program = load(pte)
+    device = mx.default_device()
+    if wheels and device != mx.gpu:
+        raise SystemExit(f"error: MLX {mx.__version__} (from {Path(mx.__file__).parent}) runs on {device}, not the "
+                         "GPU: check that --wheels holds MLX's CUDA wheel (mlx_cuda_*, or cuda.part.NN)")
+    return str(device)
 
-    def run(ids, count):
-        session = Session(program, capacity=capacity, kv_dtype="bfloat16", capture=capture)
-        r = generate(session, ids, max_new_tokens=count, stop_on_eos=False)
-        return r.prefill_tps, r.decode_tps
 
-    run(prompt, n)  # warm-up: same shapes as the timed run (compiles every bucket once)
+def bench_mlx_pte(program, prompt: list[int], n: int, capacity: int, capture: bool) -> Rates:
+    from mlx_pte.interpreter import Session, generate
+
+    def session():
+        return Session(program, capacity=capacity, kv_dtype="bfloat16", capture=capture)
+
+    generate(session(), prompt, max_new_tokens=n, stop_on_eos=False)  # warm-up: compiles every bucket once
     before = program.compilations
-    result = run(prompt, n)
+    r = generate(session(), prompt, max_new_tokens=n, stop_on_eos=False)
+    timing = session()
+    host, device = host_device_ms(lambda t: timing.forward(t, evaluate=False), prompt, n - 1, timing.max_step)
     if program.compilations != before:
-        print(f"warning: the timed run compiled {program.compilations - before} segments", flush=True)
-    return result
+        print(f"warning: the timed runs compiled {program.compilations - before} segments", flush=True)
+    return Rates(r.prefill_tps, r.decode_tps, host, device)
 
 
-def bench_mlx_pte_whole(pte: Path, prompt: list[int], n: int, capacity: int) -> tuple[float, float]:
+def bench_mlx_pte_whole(program, prompt: list[int], n: int, capacity: int) -> Rates:
     """The whole-step prototype (``bench/capture_modes.py``): one compiled function per step,
     fixed-size K/V buffers written at an array offset and read whole through an array mask."""
-    from capture_modes import generate_whole  # bench/ is on sys.path: it holds this script
+    from capture_modes import WholeStep, generate_whole
 
-    from mlx_pte.interpreter import load
-
-    program = load(pte)
     generate_whole(program, prompt, n, capacity)  # warm-up: compiles prefill and decode
-    return generate_whole(program, prompt, n, capacity)
+    prefill, decode = generate_whole(program, prompt, n, capacity)
+    host, device = host_device_ms(WholeStep(program, capacity).forward, prompt, n - 1, len(prompt))
+    return Rates(prefill, decode, host, device)
 
 
-def profile_mlx_pte(pte: Path, prompt: list[int], n: int, capacity: int, top: int, capture: bool) -> None:
-    """Where mlx-pte's decode time goes: building the lazy graph on the host versus inside
-    ``mx.eval`` (kernel launches and the GPU's work), then cProfile's top entries."""
+def profile_mlx_pte(program, prompt: list[int], n: int, capacity: int, top: int, capture: bool) -> None:
+    """cProfile's top ``top`` entries (by own time) of one mlx-pte generate."""
     import cProfile
     import pstats
 
-    import mlx.core as mx
-    from mlx_pte.interpreter import Session, generate, load
+    from mlx_pte.interpreter import Session, generate
 
-    program = load(pte)
-    generate(Session(program, capacity=capacity, kv_dtype="bfloat16", capture=capture), prompt, max_new_tokens=n, stop_on_eos=False)
-    in_eval = [0.0]
-    real_eval = mx.eval
-
-    def timed_eval(*arrays):
-        t0 = time.perf_counter()
-        real_eval(*arrays)
-        in_eval[0] += time.perf_counter() - t0
-
-    mx.eval = timed_eval
-    try:
-        r = generate(Session(program, capacity=capacity, kv_dtype="bfloat16", capture=capture), prompt, max_new_tokens=n,
-                     stop_on_eos=False)
-        # The prefill's eval is in in_eval too: take it out by timing a prefill alone.
-        in_eval[0] = 0.0
+    def run():
         session = Session(program, capacity=capacity, kv_dtype="bfloat16", capture=capture)
-        session.forward(prompt, rows=[len(prompt) - 1])
-        prefill_eval = in_eval[0]
-        in_eval[0] = 0.0
-        r = generate(Session(program, capacity=capacity, kv_dtype="bfloat16", capture=capture), prompt, max_new_tokens=n,
-                     stop_on_eos=False)
-        decode_eval = in_eval[0] - prefill_eval
-    finally:
-        mx.eval = real_eval
-    steps = len(r.tokens) - 1
-    # Host time per decode step: building the step's graph (Session.forward, lazy) while
-    # the device runs the previous one.
-    in_forward = [0.0]
-    real_forward = Session.forward
+        generate(session, prompt, max_new_tokens=n, stop_on_eos=False)
 
-    def timed_forward(self, *args, **kwargs):
-        t0 = time.perf_counter()
-        try:
-            return real_forward(self, *args, **kwargs)
-        finally:
-            in_forward[0] += time.perf_counter() - t0
-
-    Session.forward = timed_forward
-    try:
-        session = Session(program, capacity=capacity, kv_dtype="bfloat16", capture=capture)
-        session.forward(prompt, rows=[len(prompt) - 1])
-        in_forward[0] = 0.0
-        timed = generate(session, [1], max_new_tokens=n, stop_on_eos=False)
-    finally:
-        Session.forward = real_forward
-    host = 1e3 * in_forward[0] / max(1, len(timed.tokens))
-    print(f"\nmlx-pte (capture {'on' if capture else 'off'}): {len(program.steps)} graph steps per forward; "
-          f"decode {1e3 * r.decode_seconds / steps:.2f} ms/token, of which ~{1e3 * decode_eval / steps:.2f} ms "
-          f"in mx.eval; host {host:.2f} ms/step building the graph")
+    run()  # warm-up: compiles
     profiler = cProfile.Profile()
-    profiler.runcall(generate, Session(program, capacity=capacity, kv_dtype="bfloat16", capture=capture), prompt,
-                     max_new_tokens=n, stop_on_eos=False)
+    profiler.runcall(run)
+    print(f"\n-- cProfile of one mlx-pte generate, capture {'on' if capture else 'off'} "
+          f"({len(program.steps)} graph steps per forward)")
     pstats.Stats(profiler).sort_stats("tottime").print_stats(top)
 
 
-def bench_mlx_lm(model_dir: Path, prompt: list[int], n: int, bits=None, group_size: int = 64) -> tuple[float, float]:
+def bench_mlx_lm(model_dir: Path, prompt: list[int], n: int, bits, group_size: int) -> Rates:
     import mlx.core as mx
-    from mlx_lm import load as mlx_lm_load
     from mlx_lm.generate import generate_step
 
-    model, _ = mlx_lm_load(str(model_dir))
-    model = quantize_mlx_lm(model, json.loads((model_dir / "config.json").read_text()), bits, group_size)
+    model = load_mlx_lm(model_dir, "bfloat16", bits, group_size)
 
     def run(ids, count):
         t0 = time.perf_counter()
@@ -217,19 +201,26 @@ def bench_mlx_lm(model_dir: Path, prompt: list[int], n: int, bits=None, group_si
         for i, _ in zip(range(count), generate_step(mx.array(ids), model, max_tokens=count)):
             if i == 0:
                 first = time.perf_counter()
-        return len(ids) / (first - t0), (count - 1) / (time.perf_counter() - first)
+        return Rates(len(ids) / (first - t0), (count - 1) / (time.perf_counter() - first))
 
     run(prompt, n)
     return run(prompt, n)
 
 
-def bench_hf(model_dir: Path, prompt: list[int], n: int) -> tuple[float, float]:
+def load_hf_cuda(model_dir: Path):
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=torch.bfloat16, local_files_only=True
-    ).to("cuda").eval()
+    if not torch.cuda.is_available():
+        raise SystemExit("error: the HF rows need CUDA, which torch does not see; leave them out with "
+                         "--skip hf --skip hf-static")
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, local_files_only=True).to("cuda").eval()
+
+
+def bench_hf(model_dir: Path, prompt: list[int], n: int) -> Rates:
+    import torch
+
+    model = load_hf_cuda(model_dir)
 
     @torch.no_grad()
     def run(ids, count):
@@ -241,21 +232,18 @@ def bench_hf(model_dir: Path, prompt: list[int], n: int) -> tuple[float, float]:
         for _ in range(count - 1):
             out = model(torch.tensor([[token]], device="cuda"), past_key_values=past, use_cache=True)
             past, token = out.past_key_values, int(out.logits[0, -1].argmax())
-        return len(ids) / (t1 - t0), (count - 1) / (time.perf_counter() - t1)
+        return Rates(len(ids) / (t1 - t0), (count - 1) / (time.perf_counter() - t1))
 
     run(prompt, n)
     return run(prompt, n)
 
 
-def bench_hf_static(model_dir: Path, prompt: list[int], n: int) -> tuple[float, float]:
+def bench_hf_static(model_dir: Path, prompt: list[int], n: int) -> Rates:
     """HF ``generate`` with a static cache, which transformers compiles; decode rate from the
     difference between an n-token and a 1-token generation (prefill is not separable)."""
     import torch
-    from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=torch.bfloat16, local_files_only=True
-    ).to("cuda").eval()
+    model = load_hf_cuda(model_dir)
     ids = torch.tensor([prompt], device="cuda")
 
     def timed(count: int) -> float:
@@ -268,7 +256,21 @@ def bench_hf_static(model_dir: Path, prompt: list[int], n: int) -> tuple[float, 
     for count in (n, 1):  # warm-up: compiles both shapes
         timed(count)
     one, full = timed(1), timed(n)
-    return len(prompt) / one, (n - 1) / (full - one)
+    return Rates(len(prompt) / one, (n - 1) / (full - one))
+
+
+def run_batched(args: argparse.Namespace, model_dir: Path, ptes: dict[str, Path]) -> None:
+    """bench/batched.py's table on the bf16 .pte and this checkpoint: batched-sequence vs
+    mlx-lm's BatchGenerator, both in bfloat16."""
+    import batched  # bench/batched.py, beside this script
+
+    if "bf16" not in ptes:
+        raise SystemExit(f"error: --batches runs the bf16 export; give it as --pte bf16=PATH "
+                         f"(given: {', '.join(ptes)})")
+    batched.run(argparse.Namespace(
+        model_dir=model_dir, pte=ptes["bf16"], dtype="bfloat16", kinds="batched-sequence", batches=args.batches,
+        prompt=args.prompt, generate=args.generate, max_step=None, repeat=1,
+    ))
 
 
 def main() -> None:
@@ -281,67 +283,80 @@ def main() -> None:
     parser.add_argument("--site", type=Path, default=Path("/tmp/site"), help="where wheels are installed")
     parser.add_argument("--work", type=Path, default=Path("/tmp/gpu_decode"), help="scratch folder")
     parser.add_argument("--prompt", type=int, default=128, help="prompt length in tokens")
-    parser.add_argument("--generate", type=int, default=64, help="tokens to generate")
-    parser.add_argument("--capacity", type=int, default=1024, help="mlx-pte cache capacity")
-    parser.add_argument("--profile", type=int, default=0, metavar="N",
-                        help="also print cProfile's top N entries of one mlx-pte generate")
-    parser.add_argument("--skip", action="append", default=[], choices=["mlx-pte", "mlx-lm", "hf"])
+    parser.add_argument("--generate", type=int, default=64, help="tokens to generate (at least 2)")
+    parser.add_argument("--capacity", type=int, help="mlx-pte cache capacity and the whole step's buffer size "
+                                                     "(default: prompt + generate)")
     parser.add_argument("--capture", choices=["on", "off", "both"], default="both",
                         help="mlx-pte with capture (compiled segments), without (the walk), or both rows")
     parser.add_argument("--whole-step", action="store_true",
                         help="add a row for the whole-step capture prototype (bench/capture_modes.py)")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="also print cProfile's top N entries of one mlx-pte generate (first --pte), per capture")
+    parser.add_argument("--skip", action="append", default=[], choices=["mlx-pte", "mlx-lm", "hf", "hf-static"])
+    parser.add_argument("--batches", metavar="B,B,...",
+                        help="instead: aggregate decode of B concurrent requests, batched-sequence vs mlx-lm's "
+                             "BatchGenerator (bench/batched.py on the bf16 .pte and the checkpoint)")
     args = parser.parse_args()
+    if args.generate < 2:
+        parser.error("--generate must be at least 2 (decode speed needs a token after the first)")
+    labelled = [parse_pte(arg, "bf16") for arg in args.pte]
+    if len({label for label, _ in labelled}) != len(labelled):
+        parser.error("each --pte needs its own LABEL")
+    capacity = args.capacity or args.prompt + args.generate
 
     args.work.mkdir(parents=True, exist_ok=True)
     if args.wheels:
         install_mlx(args.wheels, args.site)
     sys.path[:0] = [str(args.site), str(project_root(args.work / "src"))]
-    model_dir = make_checkpoint(args.hf_dir)
-    ptes = dict(parse_pte(arg, "bf16") for arg in args.pte)
-    ptes = {label: gunzip(path, args.work) for label, path in ptes.items()}
+    model_dir = make_checkpoint(args.hf_dir)  # imports torch, before MLX (as this script always ran)
+    ptes = {label: gunzip(path, args.work) for label, path in labelled}
 
     import mlx_pte.runtime.mlx.blas  # noqa: F401  (before mlx.core; a missing OpenBLAS only warns)
     import mlx.core as mx
 
+    device = check_mlx_device(args.wheels is not None)
     if args.batches:
-        import batched  # bench/batched.py, beside this script
-
-        batched.run(argparse.Namespace(
-            model_dir=model_dir, pte=pte, dtype="bfloat16", kinds="batched-sequence", batches=args.batches,
-            prompt=args.prompt, generate=args.generate, max_step=None, repeat=1,
-        ))
+        run_batched(args, model_dir, ptes)
         return
+    from mlx_pte.interpreter import load
+
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     prompt = np.random.default_rng(0).integers(0, vocab, args.prompt).tolist()
     captures = {"on": [True], "off": [False], "both": [True, False]}[args.capture]
-    engines = {("mlx-pte" if c else "mlx-pte-walk"): (lambda c=c: bench_mlx_pte(pte, prompt, args.generate,
-                                                                                args.capacity, c))
-               for c in captures}
-    if args.whole_step:
-        engines["mlx-pte-whole"] = lambda: bench_mlx_pte_whole(pte, prompt, args.generate, args.capacity)
-    engines |= {"mlx-lm": lambda: bench_mlx_lm(model_dir, prompt, args.generate),
-               "hf": lambda: bench_hf(model_dir, prompt, args.generate)}
-    rows = {}
-    for name, bench in engines.items():
-        if not name.startswith(tuple(args.skip)):
-            rows[name] = bench()
-            print(f"{name}: prefill {rows[name][0]:.1f} tok/s, decode {rows[name][1]:.2f} tok/s", flush=True)
+    rows: dict[tuple[str, str], Rates] = {}
+
+    def record(key: tuple[str, str], rates: Rates) -> None:
+        rows[key] = rates
+        print(f"{key[0]} {key[1]}: prefill {rates.prefill_tps:.1f} tok/s, decode {rates.decode_tps:.2f} tok/s",
+              flush=True)
+
+    for label, pte in ptes.items():
+        if "mlx-pte" not in args.skip:
+            program = load(pte)
+            for capture in captures:
+                record(("mlx-pte" if capture else "mlx-pte-walk", label),
+                       bench_mlx_pte(program, prompt, args.generate, capacity, capture))
+            if args.whole_step:
+                record(("mlx-pte-whole", label), bench_mlx_pte_whole(program, prompt, args.generate, capacity))
+            del program
+        if "mlx-lm" not in args.skip:
+            record(("mlx-lm", label), bench_mlx_lm(model_dir, prompt, args.generate, bits_of(label), args.group_size))
+    full = next((label for label in ptes if label in FULL_PRECISION), "bf16")
+    if "hf" not in args.skip:
+        record(("hf-eager", full), bench_hf(model_dir, prompt, args.generate))
+    if "hf-static" not in args.skip:
+        record(("hf-static", full), bench_hf_static(model_dir, prompt, args.generate))
 
     import torch
 
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA"
-    print(f"\n{model_dir.name}: prompt {args.prompt}, generate {args.generate}, bfloat16, "
-          f"MLX {mx.__version__} on {mx.default_device()}, torch {torch.__version__} on {gpu}")
-    print(f"{'engine':<12} {'prefill tok/s':>14} {'decode tok/s':>13} {'prefill x':>10} {'decode x':>9}")
-    base = rows.get("mlx-pte", rows.get("mlx-pte-walk"))
-    for name, (p, d) in rows.items():
-        ratio = f"{base[0] / p:>10.2f} {base[1] / d:>9.2f}" if base else ""
-        print(f"{name:<12} {p:>14.1f} {d:>13.2f} {ratio}")
-    print("(x = mlx-pte speed, captured where it ran, / engine speed)")
-    if args.profile:
+    print_table(f"{model_dir.name}: prompt {args.prompt}, generate {args.generate}, bfloat16 activations, "
+                f"groups of {args.group_size}, mlx-pte capacity {capacity}, MLX {mx.__version__} on {device}, "
+                f"torch {torch.__version__} on {gpu}", rows)
+    if args.profile and "mlx-pte" not in args.skip:
+        program = load(next(iter(ptes.values())))
         for capture in captures:
-            print(f"\n-- profile, capture {'on' if capture else 'off'}")
-            profile_mlx_pte(pte, prompt, args.generate, args.capacity, args.profile, capture)
+            profile_mlx_pte(program, prompt, args.generate, capacity, args.profile, capture)
 
 
 if __name__ == "__main__":

@@ -29,11 +29,21 @@ def parse_pte(arg: str, default_label: str) -> tuple[str, Path]:
     return label, Path(path)
 
 
-def quantize_mlx_lm(model, config: dict, bits: Optional[int], group_size: int):
-    """mlx-lm's own quantization of a loaded model (a no-op for full precision)."""
+def load_mlx_lm(model_dir: Path, dtype: str, bits: Optional[int] = None, group_size: int = 64):
+    """mlx-lm's model of ``model_dir``, cast to ``dtype``, then quantized by mlx-lm itself
+    (``bits`` None: left at full precision)."""
+    import json
+
+    import mlx.core as mx
+    from mlx.utils import tree_map
+    from mlx_lm import load as mlx_lm_load
+
+    model, _ = mlx_lm_load(str(model_dir))
+    model.update(tree_map(lambda p: p.astype(getattr(mx, dtype)), model.parameters()))
     if bits is None:
         return model
     from mlx_lm.utils import quantize_model
 
+    config = json.loads((Path(model_dir) / "config.json").read_text())
     model, _ = quantize_model(model, config, group_size=group_size, bits=bits)
     return model
