@@ -245,7 +245,8 @@ def main() -> None:
     benches = []
     for label, pte in ptes.items():
         if "mlx-pte" not in args.skip:
-            benches.append((("mlx-pte", label), lambda pte=pte: bench_mlx_pte(pte, prompt, args.generate, args.capacity)))
+            benches.append((("mlx-pte", label),
+                            lambda pte=pte: bench_mlx_pte(pte, prompt, args.generate, args.capacity)))
         if "mlx-lm" not in args.skip:
             bits = bits_of(label)
             benches.append((("mlx-lm", label),

@@ -24,10 +24,11 @@ def check_kernels(graph: Graph) -> None:
     for spec in {qc.spec for qc in quantized_constants(graph).values()} - _CHECKED:
         kwargs = {"group_size": spec.group_size, "bits": spec.bits, "mode": spec.mode}
         try:
-            parts = mx.quantize(mx.ones((1, spec.group_size)), **kwargs)
+            x = mx.ones((1, spec.group_size))
+            parts = mx.quantize(x, **kwargs)
             biases = parts[2] if spec.affine else None
             mx.eval(
-                mx.quantized_matmul(mx.ones((1, spec.group_size)), parts[0], parts[1], biases, transpose=True, **kwargs),
+                mx.quantized_matmul(x, parts[0], parts[1], biases, transpose=True, **kwargs),
                 mx.dequantize(parts[0], parts[1], biases, dtype=mx.float32, **kwargs),
             )
         except (RuntimeError, ValueError) as exc:

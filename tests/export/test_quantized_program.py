@@ -52,7 +52,8 @@ def quantized_files(model_program, tmp_path_factory):
 
     def get(name: str):
         if name not in memo:
-            memo[name] = export_program(model_program, tmp_path_factory.mktemp(name) / "q.pte", quantization=SPECS[name])
+            out = tmp_path_factory.mktemp(name) / "q.pte"
+            memo[name] = export_program(model_program, out, quantization=SPECS[name])
         return memo[name]
 
     return get

@@ -72,7 +72,8 @@ def programs(checkpoint, tmp_path_factory):
             out = tmp_path_factory.mktemp("smollm2") / f"{name}.pte"
             program = load(export_hf(checkpoint, out, max_step=CHUNK, progress=False, quantize=TYPES[name]))
             memo[name] = (program, perplexity(program, held_out_ids(program)))
-            print(f"SmolLM2-135M {name}: perplexity {memo[name][1]:.3f} on {TOKENS} tokens, {out.stat().st_size:,} bytes")
+            size = out.stat().st_size
+            print(f"SmolLM2-135M {name}: perplexity {memo[name][1]:.3f} on {TOKENS} tokens, {size:,} bytes")
         return memo[name]
 
     return get
