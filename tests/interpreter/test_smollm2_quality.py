@@ -88,8 +88,8 @@ def test_q8_perplexity_is_within_1_percent_of_fp32(programs):
 @pytest.mark.xfail(
     strict=True,
     raises=AssertionError,
-    reason="measured +38% (12.97 -> 17.88 on 1023 tokens): affine 4-bit without calibration costs this 135M "
-    "checkpoint that much, and its weights are already Q4_1 (groups of 32) from the GGUF; an HF model with "
+    reason="measured +35% (18.43 -> 24.92 on these 512 tokens; +38% on 1023): affine 4-bit without "
+    "calibration costs this 135M checkpoint that much, and its weights are already Q4_1 (groups of 32) from the GGUF; an HF model with "
     "the same dequantized weights scores the same (test_q4_loss_is_the_quantization_s_own)",
 )
 def test_q4_group_64_perplexity_is_within_10_percent_of_fp32(programs):
