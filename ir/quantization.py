@@ -51,7 +51,9 @@ FORMATS: dict[str, QuantFormat] = {
 }
 
 # The names ``mlx-pte export --quantize`` takes: (mode, bits).
-PRESETS: dict[str, tuple[str, int]] = {"q4": ("affine", 4), "q8": ("affine", 8), "mxfp4": ("mxfp4", 4), "nvfp4": ("nvfp4", 4)}
+PRESETS: dict[str, tuple[str, int]] = {
+    "q4": ("affine", 4), "q8": ("affine", 8), "mxfp4": ("mxfp4", 4), "nvfp4": ("nvfp4", 4),
+}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -176,7 +178,9 @@ def read_constant(instr: Instruction, graph: Graph) -> QuantizedConstant:
     w = _static(graph, w_slot, "the packed weight", where)
     s = _static(graph, s_slot, "the scales", where)
     if w.dtype != PACKED_DTYPE or len(w.shape) != 2 or (w.shape[1] * 32) % spec.bits:
-        raise FormatError(f"{where}: the packed weight must be {PACKED_DTYPE}[N, K * bits / 32], got {w.dtype}{list(w.shape)}")
+        raise FormatError(
+            f"{where}: the packed weight must be {PACKED_DTYPE}[N, K * bits / 32], got {w.dtype}{list(w.shape)}"
+        )
     shape = (w.shape[0], w.shape[1] * 32 // spec.bits)
     if spec.affine:
         dtype = s.dtype
@@ -275,5 +279,6 @@ def full_precision_weights(graph: Graph, spec: QuantSpec) -> dict[str, str]:
     kept = {}
     for slot in sorted(weights):
         t = graph.slots[slot].type
-        kept[graph.slots[slot].name] = keep_reason(spec, tuple(t.shape), t.dtype, slot in other) or "the exporter did not quantize it"
+        reason = keep_reason(spec, tuple(t.shape), t.dtype, slot in other)
+        kept[graph.slots[slot].name] = reason or "the exporter did not quantize it"
     return kept
