@@ -39,6 +39,10 @@ class UnsupportedNodeError(FormatError):
         super().__init__(f"the upstream MLX program uses node types mlx-pte does not run: {listed}")
 
 
+class MutableBuffersError(FormatError):
+    """The program keeps state (e.g. a KV cache) in graph buffers, which mlx-pte does not run."""
+
+
 @dataclass(frozen=True)
 class ImportedPayload:
     """An imported program: the IR graph, its manifest, and each constant's bytes."""
@@ -120,7 +124,7 @@ def _start(
     """Decode the payload; a builder over ``graph`` with every constant bound."""
     fb = decode_graph(payload)
     if fb.numMutableBufferTensors:
-        raise FormatError(
+        raise MutableBuffersError(
             "the upstream program keeps its KV cache in graph buffers; mlx-pte runs off-graph-cache "
             "exports only (export_llm_hf --use-offgraph-cache)"
         )
