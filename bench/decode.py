@@ -4,12 +4,15 @@ one run of this script.
     .venv/bin/python bench/decode.py MODEL_DIR [--prompt 128 --generate 64]
     .venv/bin/python bench/decode.py --make-model /tmp/llama135m   # a 135M Llama-shaped
                                                                   # checkpoint, random weights
+    # fp32 vs q8 vs q4 (group 64), mlx-pte against mlx-lm quantized the same way:
+    .venv/bin/python bench/decode.py MODEL_DIR --quantize q8 --quantize q4 --group-size 64 --skip hf
+    # ... reusing .pte files already exported from MODEL_DIR:
+    .venv/bin/python bench/decode.py MODEL_DIR --pte fp32=fp32.pte --pte q8=q8.pte --pte q4=q4.pte
 
 Every engine decodes greedily from the same random prompt ids without stopping at eos,
 computing in float32. Prefill time covers the prompt's forward(s) and the first token;
-decode time covers the remaining tokens. Each engine runs in its own process, importing
-only what it needs, so none is slowed by another's libraries (HF eager by the OpenBLAS
-that MLX loads: see mlx_pte/runtime/mlx/blas.py).
+decode time covers the remaining tokens. mlx-lm's q8/q4 rows quantize its float32 model
+in-process with ``mlx_lm.utils.quantize_model`` (what ``mlx_lm.convert -q`` does).
 """
 from __future__ import annotations
 
@@ -22,6 +25,10 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+import mlx_pte.runtime.mlx.blas  # noqa: F401  (before mlx.core: fast BLAS)
+import mlx.core as mx
+from variants import QUANTIZED, bits_of, parse_pte, print_table, quantize_mlx_lm
 
 
 def make_model(out: Path) -> Path:
@@ -45,31 +52,39 @@ def make_model(out: Path) -> Path:
     return out
 
 
-def bench_mlx_pte(model_dir: Path, prompt: list[int], n: int) -> tuple[float, float]:
-    import torch  # noqa: F401  (the export uses it: before the OpenBLAS loader)
-
+def bench_mlx_pte(model_dir: Path, prompt: list[int], n: int, work: Path, captures: list[bool]) -> dict:
     from mlx_pte.export.hf_export import export_hf
+    from mlx_pte.ir.quantization import QuantSpec
+
+    spec = None if bits is None else QuantSpec("affine", bits, group_size)
+    return export_hf(model_dir, out, dtype="float32", max_step=256, progress=False, quantize=spec)
+
+
+def bench_mlx_pte(pte: Path, prompt: list[int], n: int) -> tuple[float, float]:
     from mlx_pte.interpreter import load
     from mlx_pte.interpreter.generation import generate
     from mlx_pte.interpreter.session import Session
 
-    with tempfile.TemporaryDirectory() as work:
-        pte = export_hf(model_dir, Path(work) / "model.pte", dtype="float32", max_step=256, progress=False)
-        program = load(pte)
-    generate(Session(program), prompt[:8], max_new_tokens=4, stop_on_eos=False)  # warm-up
-    result = generate(Session(program), prompt, max_new_tokens=n, stop_on_eos=False)
-    return result.prefill_tps, result.decode_tps
+    program = load(pte)
+    rows = {}
+    for capture in captures:
+        # Warm-up with the timed run's shapes: capture compiles each shape bucket once.
+        generate(Session(program, capture=capture), prompt, max_new_tokens=4, stop_on_eos=False)
+        result = generate(Session(program, capture=capture), prompt, max_new_tokens=n, stop_on_eos=False)
+        rows["mlx-pte" if capture else "mlx-pte-walk"] = (result.prefill_tps, result.decode_tps)
+    return rows
 
 
-def bench_mlx_lm(model_dir: Path, prompt: list[int], n: int) -> tuple[float, float]:
-    import mlx_pte.runtime.mlx.blas  # noqa: F401  (before mlx.core: fast BLAS)
-    import mlx.core as mx
+def bench_mlx_lm(model_dir: Path, prompt: list[int], n: int, bits=None, group_size: int = 64) -> tuple[float, float]:
+    import json
+
     from mlx.utils import tree_map
     from mlx_lm import load as mlx_lm_load
     from mlx_lm.generate import generate_step
 
     model, _ = mlx_lm_load(str(model_dir))
     model.update(tree_map(lambda p: p.astype(mx.float32), model.parameters()))
+    model = quantize_mlx_lm(model, json.loads((model_dir / "config.json").read_text()), bits, group_size)
 
     def run(ids, count):
         t0 = time.perf_counter()
@@ -141,6 +156,8 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=128, help="prompt length in tokens")
     parser.add_argument("--generate", type=int, default=64, help="tokens to generate")
     parser.add_argument("--skip", action="append", default=[], choices=["mlx-lm", "hf"], help="leave a peer out")
+    parser.add_argument("--capture", choices=["on", "off", "both"], default="on",
+                        help="mlx-pte with capture (compiled segments), without (the walk), or both rows")
     args = parser.parse_args()
     model_dir = make_model(args.make_model) if args.make_model else args.model_dir
     if model_dir is None:
@@ -148,20 +165,24 @@ def main() -> None:
 
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     prompt = np.random.default_rng(0).integers(0, vocab, args.prompt).tolist()
-    skipped = {{"mlx-lm": "mlx-lm", "hf": "hf-eager"}[s] for s in args.skip}
-    rows = {}
-    for name in ENGINES:
-        if name not in skipped:
-            rows[name] = run_engine(name, model_dir, prompt, args.generate)
-            print(f"{name} done", flush=True)
 
-    print(f"\n{model_dir}: prompt {args.prompt}, generate {args.generate}, float32, device {mlx_device()}, "
-          "one process per engine")
-    print(f"{'engine':<10} {'prefill tok/s':>14} {'decode tok/s':>13} {'prefill x':>10} {'decode x':>9}")
-    base_p, base_d = rows["mlx-pte"]
+    given = dict(parse_pte(arg, "fp32") for arg in args.pte)
+    labels = list(dict.fromkeys(["fp32", *given, *args.quantize]))
+    rows = {}
+    with tempfile.TemporaryDirectory() as work:
+        captures = {"on": [True], "off": [False], "both": [True, False]}[args.capture]
+        rows.update(bench_mlx_pte(model_dir, prompt, args.generate, Path(work), captures))
+    if "mlx-lm" not in args.skip:
+        rows["mlx-lm"] = bench_mlx_lm(model_dir, prompt, args.generate)
+    if "hf" not in args.skip:
+        rows["hf-eager"] = bench_hf(model_dir, prompt, args.generate)
+
+    print(f"\n{model_dir}: prompt {args.prompt}, generate {args.generate}, float32, device {mx.default_device()}")
+    print(f"{'engine':<12} {'prefill tok/s':>14} {'decode tok/s':>13} {'prefill x':>10} {'decode x':>9}")
+    base_p, base_d = next(iter(rows.values()))
     for name, (p, d) in rows.items():
-        print(f"{name:<10} {p:>14.1f} {d:>13.2f} {base_p / p:>10.2f} {base_d / d:>9.2f}")
-    print("(x = mlx-pte speed / engine speed)")
+        print(f"{name:<12} {p:>14.1f} {d:>13.2f} {base_p / p:>10.2f} {base_d / d:>9.2f}")
+    print("(x = the first mlx-pte row's speed / engine speed)")
 
 
 if __name__ == "__main__":

@@ -4,11 +4,14 @@ in one process, on a Llama-3.2-1B-shaped model in bfloat16.
 Runs on the device machine, whose Python has torch (CUDA) and transformers but no MLX:
 
     python3 bench/gpu_decode.py --pte out/gpu/llama1b.pte.gz --wheels out/gpu/whl \
-        --hf-dir /root/stash/llama1b [--prompt 128 --generate 64]
+        --hf-dir /root/stash/llama1b [--prompt 128 --generate 64] [--capture on|off|both]
 
-The .pte is exported elsewhere (where executorch is) from a checkpoint of the same shape with
-all-zero weights, gzip-compressed so it can travel; speed does not depend on weight values,
-so mlx-lm and HF eager read a same-shaped checkpoint made here. ``--wheels DIR`` holds MLX's
+Each .pte is exported elsewhere (where executorch is) from a checkpoint of the same shape with
+all-zero weights (``mlx-pte export DIR -o q4.pte --dtype bfloat16 --quantize q4 --group-size 64``),
+gzip-compressed so it can travel; speed does not depend on weight values (zeros quantize to
+zero scales, but the kernels do the same work), so mlx-lm and HF eager read a same-shaped
+checkpoint made here; mlx-lm's rows for q8/q4 quantize it in-process with
+``mlx_lm.utils.quantize_model`` (what ``mlx_lm.convert -q`` does) at the same group size. ``--wheels DIR`` holds MLX's
 CUDA wheel (whole, or split as cuda.part.NN) and the mlx, mlx-lm wheels, installed into
 ``--site``. Every engine decodes greedily from the same random prompt ids without stopping
 at eos; prefill time covers the prompt's forward and the first token, decode time the rest.
@@ -26,6 +29,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+from variants import bits_of, parse_pte, print_table, quantize_mlx_lm
 
 REPO = Path(__file__).resolve().parents[1]
 # The project's top-level folders map into the mlx_pte namespace (pyproject's package-dir).
@@ -103,21 +108,37 @@ def gunzip(path: Path, work: Path) -> Path:
     return out
 
 
-def bench_mlx_pte(pte: Path, prompt: list[int], n: int, capacity: int) -> tuple[float, float]:
+def bench_mlx_pte(pte: Path, prompt: list[int], n: int, capacity: int, capture: bool) -> tuple[float, float]:
     from mlx_pte.interpreter import Session, generate, load
 
     program = load(pte)
 
     def run(ids, count):
-        session = Session(program, capacity=capacity, kv_dtype="bfloat16")
+        session = Session(program, capacity=capacity, kv_dtype="bfloat16", capture=capture)
         r = generate(session, ids, max_new_tokens=count, stop_on_eos=False)
         return r.prefill_tps, r.decode_tps
 
-    run(prompt, n)  # warm-up: same shapes as the timed run
-    return run(prompt, n)
+    run(prompt, n)  # warm-up: same shapes as the timed run (compiles every bucket once)
+    before = program.compilations
+    result = run(prompt, n)
+    if program.compilations != before:
+        print(f"warning: the timed run compiled {program.compilations - before} segments", flush=True)
+    return result
 
 
-def profile_mlx_pte(pte: Path, prompt: list[int], n: int, capacity: int, top: int) -> None:
+def bench_mlx_pte_whole(pte: Path, prompt: list[int], n: int, capacity: int) -> tuple[float, float]:
+    """The whole-step prototype (``bench/capture_modes.py``): one compiled function per step,
+    fixed-size K/V buffers written at an array offset and read whole through an array mask."""
+    from capture_modes import generate_whole  # bench/ is on sys.path: it holds this script
+
+    from mlx_pte.interpreter import load
+
+    program = load(pte)
+    generate_whole(program, prompt, n, capacity)  # warm-up: compiles prefill and decode
+    return generate_whole(program, prompt, n, capacity)
+
+
+def profile_mlx_pte(pte: Path, prompt: list[int], n: int, capacity: int, top: int, capture: bool) -> None:
     """Where mlx-pte's decode time goes: building the lazy graph on the host versus inside
     ``mx.eval`` (kernel launches and the GPU's work), then cProfile's top entries."""
     import cProfile
@@ -127,7 +148,7 @@ def profile_mlx_pte(pte: Path, prompt: list[int], n: int, capacity: int, top: in
     from mlx_pte.interpreter import Session, generate, load
 
     program = load(pte)
-    generate(Session(program, capacity=capacity, kv_dtype="bfloat16"), prompt, max_new_tokens=n, stop_on_eos=False)
+    generate(Session(program, capacity=capacity, kv_dtype="bfloat16", capture=capture), prompt, max_new_tokens=n, stop_on_eos=False)
     in_eval = [0.0]
     real_eval = mx.eval
 
@@ -138,34 +159,57 @@ def profile_mlx_pte(pte: Path, prompt: list[int], n: int, capacity: int, top: in
 
     mx.eval = timed_eval
     try:
-        r = generate(Session(program, capacity=capacity, kv_dtype="bfloat16"), prompt, max_new_tokens=n,
+        r = generate(Session(program, capacity=capacity, kv_dtype="bfloat16", capture=capture), prompt, max_new_tokens=n,
                      stop_on_eos=False)
         # The prefill's eval is in in_eval too: take it out by timing a prefill alone.
         in_eval[0] = 0.0
-        session = Session(program, capacity=capacity, kv_dtype="bfloat16")
+        session = Session(program, capacity=capacity, kv_dtype="bfloat16", capture=capture)
         session.forward(prompt, rows=[len(prompt) - 1])
         prefill_eval = in_eval[0]
         in_eval[0] = 0.0
-        r = generate(Session(program, capacity=capacity, kv_dtype="bfloat16"), prompt, max_new_tokens=n,
+        r = generate(Session(program, capacity=capacity, kv_dtype="bfloat16", capture=capture), prompt, max_new_tokens=n,
                      stop_on_eos=False)
         decode_eval = in_eval[0] - prefill_eval
     finally:
         mx.eval = real_eval
     steps = len(r.tokens) - 1
-    print(f"\nmlx-pte: {len(program._steps)} graph steps per forward; decode "
-          f"{1e3 * r.decode_seconds / steps:.2f} ms/token, of which ~{1e3 * decode_eval / steps:.2f} ms in mx.eval")
+    # Host time per decode step: building the step's graph (Session.forward, lazy) while
+    # the device runs the previous one.
+    in_forward = [0.0]
+    real_forward = Session.forward
+
+    def timed_forward(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return real_forward(self, *args, **kwargs)
+        finally:
+            in_forward[0] += time.perf_counter() - t0
+
+    Session.forward = timed_forward
+    try:
+        session = Session(program, capacity=capacity, kv_dtype="bfloat16", capture=capture)
+        session.forward(prompt, rows=[len(prompt) - 1])
+        in_forward[0] = 0.0
+        timed = generate(session, [1], max_new_tokens=n, stop_on_eos=False)
+    finally:
+        Session.forward = real_forward
+    host = 1e3 * in_forward[0] / max(1, len(timed.tokens))
+    print(f"\nmlx-pte (capture {'on' if capture else 'off'}): {len(program.steps)} graph steps per forward; "
+          f"decode {1e3 * r.decode_seconds / steps:.2f} ms/token, of which ~{1e3 * decode_eval / steps:.2f} ms "
+          f"in mx.eval; host {host:.2f} ms/step building the graph")
     profiler = cProfile.Profile()
-    profiler.runcall(generate, Session(program, capacity=capacity, kv_dtype="bfloat16"), prompt,
+    profiler.runcall(generate, Session(program, capacity=capacity, kv_dtype="bfloat16", capture=capture), prompt,
                      max_new_tokens=n, stop_on_eos=False)
     pstats.Stats(profiler).sort_stats("tottime").print_stats(top)
 
 
-def bench_mlx_lm(model_dir: Path, prompt: list[int], n: int) -> tuple[float, float]:
+def bench_mlx_lm(model_dir: Path, prompt: list[int], n: int, bits=None, group_size: int = 64) -> tuple[float, float]:
     import mlx.core as mx
     from mlx_lm import load as mlx_lm_load
     from mlx_lm.generate import generate_step
 
     model, _ = mlx_lm_load(str(model_dir))
+    model = quantize_mlx_lm(model, json.loads((model_dir / "config.json").read_text()), bits, group_size)
 
     def run(ids, count):
         t0 = time.perf_counter()
@@ -229,7 +273,9 @@ def bench_hf_static(model_dir: Path, prompt: list[int], n: int) -> tuple[float, 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--pte", type=Path, required=True, help=".pte or .pte.gz (all-zero weights do)")
+    parser.add_argument("--pte", action="append", required=True, metavar="[LABEL=]PATH",
+                        help=".pte or .pte.gz (all-zero weights do); LABEL bf16 (default), q8 or q4; repeatable")
+    parser.add_argument("--group-size", type=int, default=64, help="mlx-lm's group size for q8/q4 (default 64)")
     parser.add_argument("--hf-dir", type=Path, required=True, help="same-shaped HF checkpoint; made if missing")
     parser.add_argument("--wheels", type=Path, help="MLX CUDA, mlx and mlx-lm wheels to install first")
     parser.add_argument("--site", type=Path, default=Path("/tmp/site"), help="where wheels are installed")
@@ -239,10 +285,11 @@ def main() -> None:
     parser.add_argument("--capacity", type=int, default=1024, help="mlx-pte cache capacity")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="also print cProfile's top N entries of one mlx-pte generate")
-    parser.add_argument("--skip", action="append", default=[], choices=["mlx-pte", "mlx-lm", "hf", "hf-static"])
-    parser.add_argument("--batches", metavar="B,B,...",
-                        help="instead: aggregate decode of B concurrent requests, batched-sequence vs mlx-lm's "
-                             "BatchGenerator (bench/batched.py on the same .pte and checkpoint)")
+    parser.add_argument("--skip", action="append", default=[], choices=["mlx-pte", "mlx-lm", "hf"])
+    parser.add_argument("--capture", choices=["on", "off", "both"], default="both",
+                        help="mlx-pte with capture (compiled segments), without (the walk), or both rows")
+    parser.add_argument("--whole-step", action="store_true",
+                        help="add a row for the whole-step capture prototype (bench/capture_modes.py)")
     args = parser.parse_args()
 
     args.work.mkdir(parents=True, exist_ok=True)
@@ -250,7 +297,8 @@ def main() -> None:
         install_mlx(args.wheels, args.site)
     sys.path[:0] = [str(args.site), str(project_root(args.work / "src"))]
     model_dir = make_checkpoint(args.hf_dir)
-    pte = gunzip(args.pte, args.work)
+    ptes = dict(parse_pte(arg, "bf16") for arg in args.pte)
+    ptes = {label: gunzip(path, args.work) for label, path in ptes.items()}
 
     import mlx_pte.runtime.mlx.blas  # noqa: F401  (before mlx.core; a missing OpenBLAS only warns)
     import mlx.core as mx
@@ -265,13 +313,17 @@ def main() -> None:
         return
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     prompt = np.random.default_rng(0).integers(0, vocab, args.prompt).tolist()
-    engines = {"mlx-pte": lambda: bench_mlx_pte(pte, prompt, args.generate, args.capacity),
-               "mlx-lm": lambda: bench_mlx_lm(model_dir, prompt, args.generate),
-               "hf": lambda: bench_hf(model_dir, prompt, args.generate),
-               "hf-static": lambda: bench_hf_static(model_dir, prompt, args.generate)}
+    captures = {"on": [True], "off": [False], "both": [True, False]}[args.capture]
+    engines = {("mlx-pte" if c else "mlx-pte-walk"): (lambda c=c: bench_mlx_pte(pte, prompt, args.generate,
+                                                                                args.capacity, c))
+               for c in captures}
+    if args.whole_step:
+        engines["mlx-pte-whole"] = lambda: bench_mlx_pte_whole(pte, prompt, args.generate, args.capacity)
+    engines |= {"mlx-lm": lambda: bench_mlx_lm(model_dir, prompt, args.generate),
+               "hf": lambda: bench_hf(model_dir, prompt, args.generate)}
     rows = {}
     for name, bench in engines.items():
-        if name not in args.skip:
+        if not name.startswith(tuple(args.skip)):
             rows[name] = bench()
             print(f"{name}: prefill {rows[name][0]:.1f} tok/s, decode {rows[name][1]:.2f} tok/s", flush=True)
 
@@ -280,14 +332,16 @@ def main() -> None:
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA"
     print(f"\n{model_dir.name}: prompt {args.prompt}, generate {args.generate}, bfloat16, "
           f"MLX {mx.__version__} on {mx.default_device()}, torch {torch.__version__} on {gpu}")
-    print(f"{'engine':<10} {'prefill tok/s':>14} {'decode tok/s':>13} {'prefill x':>10} {'decode x':>9}")
-    base = rows.get("mlx-pte")
+    print(f"{'engine':<12} {'prefill tok/s':>14} {'decode tok/s':>13} {'prefill x':>10} {'decode x':>9}")
+    base = rows.get("mlx-pte", rows.get("mlx-pte-walk"))
     for name, (p, d) in rows.items():
         ratio = f"{base[0] / p:>10.2f} {base[1] / d:>9.2f}" if base else ""
-        print(f"{name:<10} {p:>14.1f} {d:>13.2f} {ratio}")
-    print("(x = mlx-pte speed / engine speed)")
+        print(f"{name:<12} {p:>14.1f} {d:>13.2f} {ratio}")
+    print("(x = mlx-pte speed, captured where it ran, / engine speed)")
     if args.profile:
-        profile_mlx_pte(pte, prompt, args.generate, args.capacity, args.profile)
+        for capture in captures:
+            print(f"\n-- profile, capture {'on' if capture else 'off'}")
+            profile_mlx_pte(pte, prompt, args.generate, args.capacity, args.profile, capture)
 
 
 if __name__ == "__main__":

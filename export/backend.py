@@ -17,6 +17,7 @@ from torch.export import ExportedProgram
 
 from mlx_pte.ir.payload import encode_payload
 from mlx_pte.ir.pte import BACKEND_ID
+from mlx_pte.ir.quantization import QuantSpec
 
 from .errors import ExportError
 from .lowering import Signature, lower_program
@@ -60,8 +61,14 @@ class MLXPteBackend(BackendDetails):
 
     @staticmethod
     def preprocess(edge_program: ExportedProgram, compile_specs: list[CompileSpec]) -> PreprocessResult:
-        graph, constants = lower_program(edge_program, Signature.from_json(_spec(compile_specs, SIGNATURE_SPEC)))
         manifest = json.loads(_spec(compile_specs, MANIFEST_SPEC))
+        # The manifest records the quantization type the lowering applies.
+        quantization = manifest.get("quantization")
+        graph, constants = lower_program(
+            edge_program,
+            Signature.from_json(_spec(compile_specs, SIGNATURE_SPEC)),
+            None if quantization is None else QuantSpec.from_dict(quantization),
+        )
         return PreprocessResult(encode_payload(graph, constants, manifest))
 
 

@@ -2,7 +2,7 @@
 constants and dynamic sizes, shared by every lowering in ``op_lowerings``."""
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional, Union
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Union
 
 import numpy as np
 import sympy
@@ -16,6 +16,10 @@ from torch.utils._sympy.value_ranges import ValueRanges, bound_sympy
 
 from mlx_pte.ir.catalog import lookup
 from mlx_pte.ir.graph import Dim, Graph, Instruction, ScalarType, SlotKind, SlotRef, SymDim, TensorType
+from mlx_pte.ir.quantization import QuantSpec
+
+if TYPE_CHECKING:
+    from .quantize import PackedWeight
 
 DTYPE_NAMES: dict[torch.dtype, str] = {
     torch.float32: "float32",
@@ -111,6 +115,8 @@ class Builder:
         self.graph = Graph()
         self.constants: dict[int, np.ndarray] = {}
         self.slots: dict[Node, Union[int, tuple[int, ...]]] = {}
+        # quantized weight placeholder -> (QuantSpec, weight, scales, biases or None) slots
+        self.quantized: dict[Node, tuple[QuantSpec, int, int, Optional[int]]] = {}
         self._casts: dict[tuple[int, str], int] = {}
         self._scalars: dict[tuple[str, float], int] = {}
         self._sizes: dict[tuple[int, int], int] = {}
@@ -132,10 +138,20 @@ class Builder:
 
     # -- slots --------------------------------------------------------------------
     def add_constant(self, name: str, tensor: torch.Tensor) -> int:
-        slot = self.graph.add_slot(name, SlotKind.CONSTANT, self.tensor_type(tensor))
         flat = tensor.detach().contiguous().reshape(-1)
-        self.constants[slot] = flat.view(torch.uint8).numpy()
+        return self.add_constant_bytes(name, self.tensor_type(tensor), flat.view(torch.uint8).numpy())
+
+    def add_constant_bytes(self, name: str, type: TensorType, data: np.ndarray) -> int:
+        """A constant slot of ``type`` holding ``data``'s C-order bytes (sized for the type)."""
+        slot = self.graph.add_slot(name, SlotKind.CONSTANT, type)
+        self.constants[slot] = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
         return slot
+
+    def add_quantized(self, node: Node, name: str, packed: "PackedWeight") -> None:
+        """``node``'s weight as its packed parts: constants ``name``, ``name.scales`` and
+        ``name.biases`` (affine only), read by the quantized ops that replace its users."""
+        slots = [self.add_constant_bytes(name + suffix, t, a) for suffix, t, a in packed.parts()]
+        self.quantized[node] = (packed.spec, *slots, *([None] * (3 - len(slots))))
 
     def emit(self, op: str, inputs: tuple, attrs: dict[str, Any], name: str, types: list) -> list[int]:
         outs = [self.graph.add_slot(f"{name}" if len(types) == 1 else f"{name}.{i}", SlotKind.TEMP, t)
@@ -164,6 +180,11 @@ class Builder:
         assert isinstance(slot, int)
         if self.slot_type(slot).dtype == name:
             return slot
+        if (slot, name) not in self._casts and self.graph.slots[slot].kind is SlotKind.CONSTANT:
+            # A constant is converted here once (torch rounds as MLX's astype does), not per run.
+            value = ep_constant(self.ep, arg)
+            if value is not None:
+                self._casts[slot, name] = self.add_constant(f"{self.graph.slots[slot].name}.{name}", value.to(dtype))
         if (slot, name) not in self._casts:
             src = self.slot_type(slot)
             (self._casts[slot, name],) = self.emit(

@@ -13,6 +13,8 @@ from torch.export.graph_signature import InputKind
 from torch.fx import Node
 
 from mlx_pte.ir.graph import Graph, SlotKind, TensorType
+from mlx_pte.ir.quantization import QuantSpec
+from mlx_pte.ir.passes import simplify
 
 from .errors import ExportError
 from .fusion import find_fusions
@@ -28,6 +30,7 @@ from .graph_builder import (
     value_of,
 )
 from .op_lowerings import LOWERINGS
+from .quantize import plan_quantization
 
 
 def dim_ranges(ep: ExportedProgram) -> dict[str, DimRange]:
@@ -84,11 +87,20 @@ class Signature:
         return cls(tuple(d["inputs"]), tuple(d["outputs"]), ranges)
 
 
-def lower_program(ep: ExportedProgram, signature: Signature) -> tuple[Graph, dict[int, np.ndarray]]:
+def lower_program(
+    ep: ExportedProgram, signature: Signature, quantization: Optional[QuantSpec] = None
+) -> tuple[Graph, dict[int, np.ndarray]]:
     """Lower every node of ``ep`` (an edge program the partitioner accepted).
 
+    Args:
+        ep: the edge program.
+        signature: its input/output order and dynamic ranges.
+        quantization: quantize linear and embedding weights to this type
+            (``export.quantize``); None keeps every weight as it is.
+
     Returns:
-        The graph and its constants: slot → the constant's raw bytes (uint8, row-major).
+        The graph (fused at lowering, then simplified: ``ir.passes``) and its constants:
+        slot → the constant's raw bytes (uint8, row-major).
 
     Raises:
         ExportError: an input the program never reads, or an output that is not a
@@ -97,10 +109,13 @@ def lower_program(ep: ExportedProgram, signature: Signature) -> tuple[Graph, dic
     b = Builder(ep, signature.dim_ranges)
     specs = {s.arg.name: s for s in ep.graph_signature.input_specs}
     fusions = find_fusions(ep)
+    packed = plan_quantization(ep, quantization, fusions.absorbed)
     for node in ep.graph.nodes:
         if node in fusions.absorbed:
             continue
-        if node.op == "placeholder":
+        if node in packed:
+            b.add_quantized(node, specs[node.name].target, packed[node])
+        elif node.op == "placeholder":
             _lower_placeholder(b, node, specs[node.name])
         elif node.op == "call_function":
             fusions.roots.get(node, LOWERINGS[target_key(node.target)].fn)(b, node)
@@ -114,7 +129,7 @@ def lower_program(ep: ExportedProgram, signature: Signature) -> tuple[Graph, dic
         if name not in by_name or not isinstance(b.graph.slots[by_name[name]].type, TensorType):
             raise ExportError(f"output {i} ({name}) is not a tensor computed by forward(); return computed tensors only")
         b.graph.outputs.append(by_name[name])
-    return b.graph, b.constants
+    return simplify(b.graph, b.constants)
 
 
 def _lower_placeholder(b: Builder, node: Node, spec: Any) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from mlx_pte.ir.manifest import CacheLayerSpec, Manifest
+from mlx_pte.ir.quantization import QuantSpec
 
 from .hf_checkpoint import HFCheckpoint, as_ids
 from .hf_errors import CheckpointError
@@ -27,7 +28,11 @@ def _ids(*groups: Any) -> tuple[int, ...]:
 
 
 def build_manifest(
-    checkpoint: HFCheckpoint, layout: HFCacheLayout, dtype: str, max_step: int
+    checkpoint: HFCheckpoint,
+    layout: HFCacheLayout,
+    dtype: str,
+    max_step: int,
+    quantization: Optional[QuantSpec] = None,
 ) -> Manifest:
     """Everything a runner needs besides the graph: config, tokens, tokenizer, cache geometry.
 
@@ -36,6 +41,7 @@ def build_manifest(
         layout: its cache layout (one manifest cache entry per ``cache_id``).
         dtype: the exported model dtype name.
         max_step: the most tokens one forward takes.
+        quantization: the type linear and embedding weights are quantized to, if any.
 
     Raises:
         CheckpointError: the config gives no vocab size or context length.
@@ -70,4 +76,5 @@ def build_manifest(
         bos_token_id=_first_int(tokenizer.bos_token_id, getattr(text, "bos_token_id", None)),
         eos_token_ids=_ids(tokenizer.eos_token_id, checkpoint.generation_eos),
         pad_token_id=_first_int(tokenizer.pad_token_id, getattr(text, "pad_token_id", None)),
+        quantization=quantization,
     )

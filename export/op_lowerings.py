@@ -279,8 +279,12 @@ _register(aten.addmm.default, _addmm)
 
 def _linear(b: Builder, node: Node) -> None:
     args = node_args(node)
-    bias = args["bias"]
-    b.emit_node(node, "linear", (b.slots[args["input"]], b.slots[args["weight"]], None if bias is None else b.slots[bias]))
+    bias = None if args["bias"] is None else b.slots[args["bias"]]
+    if args["weight"] in b.quantized:
+        spec, *parts = b.quantized[args["weight"]]
+        b.emit_node(node, "quantized_linear", (b.slots[args["input"]], *parts, bias), spec.to_dict())
+        return
+    b.emit_node(node, "linear", (b.slots[args["input"]], b.slots[args["weight"]], bias))
 
 
 _register(aten.linear.default, _linear)
@@ -288,6 +292,11 @@ _register(aten.linear.default, _linear)
 
 def _embedding(b: Builder, node: Node) -> None:
     args = node_args(node)
+    if args["weight"] in b.quantized:
+        spec, *parts = b.quantized[args["weight"]]
+        attrs = {**spec.to_dict(), "dtype": DTYPE_NAMES[_out_dtype(node)]}
+        b.emit_node(node, "quantized_embedding", (*parts, b.slots[args["indices"]]), attrs)
+        return
     b.emit_node(node, "embedding", (b.slots[args["weight"]], b.slots[args["indices"]]))
 
 

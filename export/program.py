@@ -12,6 +12,8 @@ import torch
 from executorch.exir import EdgeCompileConfig, to_edge_transform_and_lower
 from torch.export import ExportedProgram
 
+from mlx_pte.ir.quantization import QuantSpec
+
 from .backend import drop_preprocess_specs
 from .errors import OutputPathError
 from .lowering import dim_ranges
@@ -20,7 +22,12 @@ from .partitioner import MLXPtePartitioner
 PathLike = Union[str, "os.PathLike[str]"]
 
 
-def export_program(ep: ExportedProgram, out: PathLike, manifest: Optional[Mapping[str, Any]] = None) -> Path:
+def export_program(
+    ep: ExportedProgram,
+    out: PathLike,
+    manifest: Optional[Mapping[str, Any]] = None,
+    quantization: Optional[QuantSpec] = None,
+) -> Path:
     """Lower ``ep`` to the MLX backend and write the ``.pte`` to ``out``.
 
     The file is written atomically (see ``write_atomically``): on any failure nothing is left
@@ -31,6 +38,8 @@ def export_program(ep: ExportedProgram, out: PathLike, manifest: Optional[Mappin
         out: the ``.pte`` path to write.
         manifest: JSON-serializable metadata stored in the delegate payload
             (see ``ir.manifest.Manifest``); ``{}`` when omitted.
+        quantization: quantize linear and embedding weights to this type (see
+            ``export.quantize``; recorded as the manifest's ``quantization``).
 
     Returns:
         The path written.
@@ -38,9 +47,12 @@ def export_program(ep: ExportedProgram, out: PathLike, manifest: Optional[Mappin
     Raises:
         UnsupportedOpsError: the graph uses ops the backend cannot lower (all listed).
     """
+    manifest = dict(manifest or {})
+    if quantization is not None:
+        manifest["quantization"] = quantization.to_dict()
     edge = to_edge_transform_and_lower(
         ep,
-        partitioner=[MLXPtePartitioner(manifest or {}, dim_ranges(ep))],
+        partitioner=[MLXPtePartitioner(manifest, dim_ranges(ep))],
         # Non-core ops (linear, rms_norm, the custom op) must survive to the partitioner.
         compile_config=EdgeCompileConfig(_check_ir_validity=False, _skip_dim_order=True),
     )
@@ -55,6 +67,7 @@ def export_module(
     out: PathLike,
     dynamic_shapes: Optional[Any] = None,
     manifest: Optional[Mapping[str, Any]] = None,
+    quantization: Optional[QuantSpec] = None,
 ) -> Path:
     """``torch.export`` ``module`` (non-strict) on ``example_inputs``, then ``export_program``.
 
@@ -63,13 +76,13 @@ def export_module(
         example_inputs: positional inputs for tracing.
         out: the ``.pte`` path to write.
         dynamic_shapes: as ``torch.export.export`` takes them.
-        manifest: see ``export_program``.
+        manifest, quantization: see ``export_program``.
 
     Returns:
         The path written.
     """
     ep = torch.export.export(module, tuple(example_inputs), dynamic_shapes=dynamic_shapes, strict=False)
-    return export_program(ep, out, manifest)
+    return export_program(ep, out, manifest, quantization)
 
 
 # The temp file of an export in progress: beside the output, visible, tagged with the writer's pid.

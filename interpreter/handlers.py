@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import operator
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Callable, Optional
 
 import mlx_pte.runtime.mlx.blas  # noqa: F401  (load an optimized BLAS before mlx.core)
@@ -29,6 +30,7 @@ MX_DTYPES: dict[str, mx.Dtype] = {
     "int8": mx.int8,
     "uint8": mx.uint8,
     "bool": mx.bool_,
+    "uint32": mx.uint32,
 }
 
 
@@ -79,9 +81,7 @@ _UNARY = {
     "tanh": mx.tanh,
     "sigmoid": mx.sigmoid,
     "relu": lambda x: mx.maximum(x, 0),
-    # MLX's CPU sigmoid costs more than the exp it is built from: x / (1 + exp(-x)) is
-    # ~25% faster (exp(-x) = inf for very negative x gives the right limit, -0).
-    "silu": lambda x: x / (1 + mx.exp(-x)),
+    "silu": lambda x: _silu(x),
     "erf": mx.erf,
     "reciprocal": mx.reciprocal,
     "logical_not": mx.logical_not,
@@ -110,12 +110,24 @@ HANDLERS["where"] = _on_operands(mx.where)
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 
 
+def _gelu_erf(x: mx.array) -> mx.array:
+    return 0.5 * x * (1 + mx.erf(x / math.sqrt(2.0)))
+
+
+def _gelu_tanh(x: mx.array) -> mx.array:
+    return 0.5 * x * (1 + mx.tanh(_SQRT_2_OVER_PI * (x + 0.044715 * x * x * x)))
+
+
+def _silu(x: mx.array) -> mx.array:
+    # MLX's CPU sigmoid costs more than the exp it is built from: x / (1 + exp(-x)) is
+    # ~25% faster (exp(-x) = inf for very negative x gives the right limit, -0).
+    return x / (1 + mx.exp(-x))
+
+
 @handles("gelu")
 def _gelu(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx.array:
     (x,) = args
-    if attrs["approximate"] == "tanh":
-        return 0.5 * x * (1 + mx.tanh(_SQRT_2_OVER_PI * (x + 0.044715 * x * x * x)))
-    return 0.5 * x * (1 + mx.erf(x / math.sqrt(2.0)))
+    return _gelu_tanh(x) if attrs["approximate"] == "tanh" else _gelu_erf(x)
 
 
 @handles("clamp")
@@ -170,7 +182,11 @@ def _log_softmax(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx.array
 @handles("rms_norm")
 def _rms_norm(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx.array:
     x, weight = args
-    return mx.fast.rms_norm(x, weight, attrs["eps"])
+    # MLX's kernel (and its CPU fallback) normalizes in fp32 and rounds to the result
+    # dtype before the weight multiply: HF's upcast chain, op for op.
+    out = mx.fast.rms_norm(x, weight, attrs["eps"])
+    dtype = attrs.get("dtype")
+    return out if dtype is None else out.astype(MX_DTYPES[dtype])
 
 
 @handles("layer_norm")
@@ -192,6 +208,65 @@ _rope_half_compiled = mx.compile(_rope_half)
 @handles("rope_half")
 def _rope_half_handler(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx.array:
     return _rope_half_compiled(*args)
+
+
+def rope_from_table(x: mx.array, positions: mx.array, inv_freq: mx.array, seq_axis: int = 2) -> mx.array:
+    """``rope`` as HF computes it: an fp32 angle table, cos/sin rounded to x's dtype."""
+    angles = positions.reshape(-1, 1).astype(mx.float32) * inv_freq
+    table = mx.concatenate([angles, angles], axis=-1)
+    if seq_axis == 1:  # [T, D] broadcast over the heads axis that follows T
+        table = mx.expand_dims(table, 1)
+    return _rope_half(x, mx.cos(table).astype(x.dtype), mx.sin(table).astype(x.dtype))
+
+
+# ``rope_fast`` puts the tokens on the batch axis: [1, H, T, D] or [1, T, H, D] -> [T, H, 1, D].
+_TOKENS_FIRST = {2: (2, 1, 0, 3), 1: (1, 2, 0, 3)}
+_TOKENS_BACK = {2: (2, 1, 0, 3), 1: (2, 0, 1, 3)}
+
+
+def rope_fast(x: mx.array, positions: mx.array, inv_freq: mx.array, seq_axis: int = 2) -> mx.array:
+    """``rope`` on MLX's fused kernel, for any positions: it takes one offset per batch
+    item, so each token goes on the batch axis (a transposed view, no copy). The kernel
+    rotates in fp32 and rounds once (the table path rounds cos/sin first)."""
+    tokens = mx.transpose(x, _TOKENS_FIRST[seq_axis])
+    out = mx.fast.rope(tokens, x.shape[-1], traditional=False, base=None, scale=1.0,
+                       offset=positions.reshape(-1), freqs=mx.reciprocal(inv_freq))  # fmt: skip
+    return mx.transpose(out, _TOKENS_BACK[seq_axis])
+
+
+_ROPE_FROM_TABLE = {axis: mx.compile(partial(rope_from_table, seq_axis=axis)) for axis in _TOKENS_FIRST}
+
+
+@handles("rope")
+def _rope(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx.array:
+    # On the CPU MLX has no rope kernel (mx.fast.rope falls back to separate ops), so
+    # the compiled table is faster there.
+    if mx.default_device().type == mx.DeviceType.gpu:
+        return rope_fast(*args, attrs["seq_axis"])
+    return _ROPE_FROM_TABLE[attrs["seq_axis"]](*args)
+
+
+_GLU_ACTIVATIONS: dict[str, Callable[[mx.array], mx.array]] = {
+    "silu": _silu,
+    "gelu": _gelu_erf,
+    "gelu_tanh": _gelu_tanh,
+}
+
+
+def _glu_with(act: Callable[[mx.array], mx.array]) -> Callable[[mx.array, mx.array], mx.array]:
+    def glu(gate: mx.array, up: mx.array) -> mx.array:
+        # torch computes a half-precision activation in fp32 and rounds once.
+        return act(gate.astype(mx.float32)).astype(gate.dtype) * up
+
+    return mx.compile(glu)
+
+
+_GLU = {name: _glu_with(act) for name, act in _GLU_ACTIVATIONS.items()}
+
+
+@handles("glu")
+def _glu(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx.array:
+    return _GLU[attrs["activation"]](*args)
 
 # -- linear algebra and indexing -------------------------------------------------------
 HANDLERS["matmul"] = _on_operands(mx.matmul)
@@ -236,6 +311,16 @@ def _view(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx.array:
 @handles("permute")
 def _permute(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx.array:
     return mx.transpose(args[0], attrs["dims"])
+
+
+@handles("view_permute")
+def _view_permute(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx.array:
+    return mx.transpose(args[0].reshape(attrs["shape"]), attrs["dims"])
+
+
+@handles("permute_view")
+def _permute_view(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx.array:
+    return mx.transpose(args[0], attrs["dims"]).reshape(attrs["shape"])
 
 
 def _along(x: mx.array, dim: int, index: Any) -> tuple:
@@ -363,6 +448,26 @@ def _update_and_attend(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx
             "after cache.declare_step(...) (or use Program.session())"
         )
     return ctx.cache.attend(attrs["cache_id"], q, k, v, attrs["scale"], attrs["softcap"])
+
+
+# -- quantized weights (ir.quantization) ------------------------------------------------
+def _quant_kwargs(attrs: dict[str, Any]) -> dict[str, Any]:
+    return {"group_size": attrs["group_size"], "bits": attrs["bits"], "mode": attrs["mode"]}
+
+
+@handles("quantized_linear")
+def _quantized_linear(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx.array:
+    x, weight, scales, biases, bias = args
+    out = mx.quantized_matmul(x, weight, scales, biases, transpose=True, **_quant_kwargs(attrs))
+    return out if bias is None else out + bias
+
+
+@handles("quantized_embedding")
+def _quantized_embedding(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx.array:
+    # Only the selected rows are dequantized: a token's row is its packed row.
+    weight, scales, biases, indices = args
+    rows = [None if part is None else mx.take(part, indices, axis=0) for part in (weight, scales, biases)]
+    return mx.dequantize(*rows, dtype=MX_DTYPES[attrs["dtype"]], **_quant_kwargs(attrs))
 
 
 # One catalog: an op without a handler (or a handler without an op) is a bug here.

@@ -1,12 +1,13 @@
 """A loaded program: the IR graph, its weights as MLX arrays, and ``run``.
 
 ``run`` binds the inputs (checked against the graph's input types, dynamic ranges
-included), walks the instructions once building one lazy MLX graph, and evaluates the
-outputs together.
+included), then either walks the prepared steps once building one lazy MLX graph, or
+runs the captured program (``capture``: compiled segments between attention calls), and
+evaluates the outputs together. The steps are prepared at load (``plan``); the walk of a
+shape already seen runs steps specialised to it, with no attribute left to resolve.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence, Union
 
@@ -16,14 +17,18 @@ import mlx_pte.runtime.mlx.blas  # noqa: F401  (load an optimized BLAS before ml
 import mlx.core as mx
 
 from mlx_pte.ir.errors import FormatError
-from mlx_pte.ir.graph import Graph, SlotRef, SymDim, TensorType
+from mlx_pte.ir.graph import Graph, SymDim, TensorType
 from mlx_pte.ir.payload import Payload
 from mlx_pte.ir.pte import read_pte
 from mlx_pte.ir.upstream.importer import ImportedPayload
-from mlx_pte.runtime.cache import CacheError
 
-from .handlers import HANDLERS, MX_DTYPES, Handler, RunContext
+from .capture import Capture
+from .handlers import MX_DTYPES, RunContext
+from .plan import GraphRunError, PreparedStep, ShapeKey, int_slots, prepare, specialise
+from .quantized_kernels import check_kernels
 from .tokenizer_dir import tokenizer_fields
+
+__all__ = ["GraphRunError", "InputError", "Program", "load", "load_weight"]
 
 # Numpy dtypes of the stored bytes; bfloat16 is read as uint16 and reinterpreted.
 _NP_STORAGE = {
@@ -36,51 +41,17 @@ _NP_STORAGE = {
     "int8": np.int8,
     "uint8": np.uint8,
     "bool": np.bool_,
+    "uint32": np.uint32,
 }
+
+
+# Input shapes whose specialised steps are kept (each is a list of step references); past
+# this, further shapes run the generic steps.
+_MAX_SHAPES = 256
 
 
 class InputError(ValueError):
     """Inputs that do not match the program's signature; the message names the input."""
-
-
-class GraphRunError(FormatError):
-    """An instruction failed on inputs that fit the program's signature: the graph contradicts
-    itself (a damaged or hand-made file); the message names the instruction."""
-
-
-# What MLX and the handlers raise for operands and attributes that do not fit together.
-_OP_FAILURES = (ValueError, IndexError, TypeError, OverflowError, ZeroDivisionError)
-
-
-@dataclass(frozen=True)
-class _Step:
-    """One instruction, resolved once at load: its handler and where its values live."""
-
-    index: int
-    op: str
-    handler: Handler
-    inputs: tuple[Optional[int], ...]
-    outputs: tuple[int, ...]
-    attrs: dict[str, Any]
-    refs: tuple[tuple[str, Any], ...]  # attrs holding SlotRefs, resolved per run
-
-
-def _compile(graph: Graph) -> list[_Step]:
-    steps = []
-    for index, instr in enumerate(graph.instructions):
-        attrs = dict(instr.attrs)
-        refs = tuple(
-            (k, v) for k, v in attrs.items()
-            if isinstance(v, SlotRef) or (isinstance(v, tuple) and any(isinstance(x, SlotRef) for x in v))
-        )  # fmt: skip
-        steps.append(_Step(index, instr.op, HANDLERS[instr.op], instr.inputs, instr.outputs, attrs, refs))
-    return steps
-
-
-def _resolve(value: Any, values: list) -> Any:
-    if isinstance(value, SlotRef):
-        return values[value.slot]
-    return tuple(values[v.slot] if isinstance(v, SlotRef) else v for v in value)
 
 
 def load_weight(raw: Union[bytes, memoryview], t: TensorType) -> mx.array:
@@ -108,12 +79,28 @@ class Program:
         missing = [graph.slots[s].name for s in graph.constants() if s not in weights]
         if missing:
             raise FormatError(f"the program has no data for weights {missing}; export it again")
+        check_kernels(graph)
         self.graph = graph
         self.weights = dict(weights)
         self.manifest = dict(manifest)
-        self._steps = _compile(graph)
+        self.steps: list[PreparedStep] = prepare(graph)
+        self._host_ints = int_slots(graph)
+        self._by_shape: dict[ShapeKey, list[PreparedStep]] = {}
         # Each run starts from this list of slot values: the weights in place, the rest empty.
         self._weight_slots: list[Any] = [self.weights.get(s) for s in range(len(graph.slots))]
+        self._capture: Optional[Capture] = None
+
+    @property
+    def capture(self) -> Capture:
+        """The captured form of this program, built on first use (see ``capture``)."""
+        if self._capture is None:
+            self._capture = Capture(self.graph, self.steps, self._weight_slots)
+        return self._capture
+
+    @property
+    def compilations(self) -> int:
+        """How many segment compilations (``mx.compile`` traces) runs with capture made."""
+        return self._capture.compilations if self._capture is not None else 0
 
     @classmethod
     def from_payload(cls, payload: Union[Payload, ImportedPayload]) -> "Program":
@@ -140,7 +127,9 @@ class Program:
 
         return Session(self, *args, **kwargs)
 
-    def run(self, inputs: Sequence[Any], cache: Any = None, evaluate: bool = True) -> list[mx.array]:
+    def run(
+        self, inputs: Sequence[Any], cache: Any = None, evaluate: bool = True, capture: bool = False
+    ) -> list[mx.array]:
         """Run the graph once and return its outputs.
 
         Args:
@@ -150,6 +139,8 @@ class Program:
                 caller declares the step before and finishes (or aborts) it after.
             evaluate: evaluate the outputs before returning; with False they stay lazy,
                 so a caller can build the next step while this one computes.
+            capture: run the compiled segments (``interpreter.capture``) instead of
+                walking the steps; same results, fewer dispatches.
 
         Raises:
             InputError: wrong number of inputs, a dtype of another kind, a wrong rank
@@ -157,33 +148,29 @@ class Program:
             MissingCacheError: the graph attends and no cache was given.
             GraphRunError: an instruction failed (the graph contradicts itself).
         """
-        values = list(self._weight_slots)
-        for slot, array in zip(self.graph.inputs, self._bind_inputs(inputs)):
-            values[slot] = array
+        arrays = self._bind_inputs(inputs)
         ctx = RunContext(cache)
-        for step in self._steps:
-            attrs = step.attrs
-            if step.refs:
-                attrs = {**attrs, **{k: _resolve(v, values) for k, v in step.refs}}
-            args = [None if s is None else values[s] for s in step.inputs]
-            try:
-                result = step.handler(args, attrs, ctx)
-            except CacheError:
-                raise
-            except _OP_FAILURES as exc:
-                raise GraphRunError(
-                    f"instruction {step.index} ({step.op!r}) failed: {exc} (the program's graph is inconsistent; "
-                    "export the model again)"
-                ) from None
-            if len(step.outputs) == 1:
-                values[step.outputs[0]] = result
-            else:
-                for slot, value in zip(step.outputs, result):
-                    values[slot] = value
-        outputs = [values[s] for s in self.graph.outputs]
+        if capture:
+            outputs = self.capture.run(arrays, ctx)
+        else:
+            outputs = self._walk(arrays, ctx)
         if evaluate:
             mx.eval(outputs)
         return outputs
+
+    def _walk(self, arrays: list[mx.array], ctx: RunContext) -> list[mx.array]:
+        key: ShapeKey = tuple(tuple(a.shape) for a in arrays)
+        steps = self._by_shape.get(key)
+        values = list(self._weight_slots)
+        for slot, array in zip(self.graph.inputs, arrays):
+            values[slot] = array
+        for step in steps if steps is not None else self.steps:
+            step.run(values, ctx)
+        if steps is None and len(self._by_shape) < _MAX_SHAPES:
+            # Every host int is a function of the input shapes: bind them for next time.
+            ints = {s: values[s] for s in self._host_ints}
+            self._by_shape[key] = specialise(self.steps, ints, self._host_ints)
+        return [values[s] for s in self.graph.outputs]
 
     def _bind_inputs(self, inputs: Sequence[Any]) -> list[mx.array]:
         types = self.input_types

@@ -70,6 +70,9 @@ class Session:
             defaults to the model's max context.
         kv_dtype: K/V storage dtype; defaults to the model's dtype.
         max_seqs: for batched kinds, the most live sequences.
+        capture: run the program captured (``mx.compile``d segments between attention
+            calls, shapes bucketed: see ``interpreter.capture``); False walks the steps.
+            Results are the same either way.
     """
 
     def __init__(
@@ -81,8 +84,10 @@ class Session:
         backend: str = "mlx",
         initial_capacity: int = 512,
         max_seqs: Optional[int] = None,
+        capture: bool = True,
     ) -> None:
         self.program = program
+        self.capture = capture
         self.manifest = Manifest.from_dict(program.manifest)
         check_manifest_text(self.manifest)
         check_cache_ids(program.graph, self.manifest)
@@ -148,7 +153,8 @@ class Session:
         self.cache.declare_step(step)
         try:
             (logits,) = self.program.run(
-                [tokens_a.reshape(1, count), pos, rows_a], cache=self.cache, evaluate=evaluate
+                [tokens_a.reshape(1, count), pos, rows_a], cache=self.cache, evaluate=evaluate,
+                capture=self.capture,
             )
         except BaseException:
             self.cache.abort_step()

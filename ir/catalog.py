@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
+from . import quantization
 from .errors import FormatError, UnknownOpError
 from .graph import DTYPES, UNTYPED_TENSOR, Graph, Instruction, ScalarType, SlotRef, SymDim, TensorType
 
@@ -43,7 +44,8 @@ class OpSpec:
     ``operands``: a trailing ``?`` marks an optional operand; a single operand named with a
     trailing ``*`` takes one or more slots (``cat``). ``n_outputs`` None means one or more
     results (``split``: one per size). ``scalar_result``: the results are int scalar slots
-    (sizes computed on the host), not tensors.
+    (sizes computed on the host), not tensors. ``check``: further rules of the op, run
+    after the structural ones (raises FormatError).
     """
 
     name: str
@@ -52,6 +54,7 @@ class OpSpec:
     n_outputs: Optional[int] = 1
     output_rule: str = "same dtype and shape as the first operand"
     scalar_result: bool = False
+    check: Optional[Callable[[Instruction, Graph], None]] = None
 
     @property
     def variadic(self) -> bool:
@@ -104,6 +107,8 @@ class OpSpec:
             _check_attr(where, spec, given[spec.name], graph)
             if shapes.typed:
                 _check_rule(where, spec, given[spec.name], shapes)
+        if self.check is not None:
+            self.check(instr, graph)
 
 
 def _is_int(v: object) -> bool:
@@ -350,8 +355,9 @@ define(
     OpSpec(
         "rms_norm",
         ("x", "weight?"),
-        _attrs(("eps", "float")),
-        output_rule="like x, normalized over the last dim",
+        _attrs(("eps", "float"), ("dtype", "dtype", False)),
+        output_rule="x's shape, normalized over the last dim: x * rsqrt(mean(x**2) + eps) computed in fp32, "
+        "rounded to result_type(x, weight), times weight in that dtype, then cast to dtype when given",
     )
 )
 define(
@@ -368,6 +374,25 @@ define(
         ("x", "cos", "sin"),
         output_rule="like x: x * cos + rotate_half(x) * sin, rotate_half(x) = cat(-x[..., d/2:], x[..., :d/2]) "
         "along the last dim (HF's rotary embedding); cos and sin broadcast to x and share its dtype",
+    )
+)
+define(
+    OpSpec(
+        "rope",
+        ("x", "positions", "inv_freq"),
+        _attrs(("seq_axis", "int")),
+        output_rule="like x, [1, H, T, D] (seq_axis 2) or [1, T, H, D] (seq_axis 1): rope_half(x, cos, sin) with "
+        "angles positions[t] * inv_freq (int positions [T], fp32 inv_freq [D/2]) computed in fp32, duplicated "
+        "over both halves, cos/sin rounded to x's dtype (HF's default rotary embedding)",
+    )
+)
+define(
+    OpSpec(
+        "glu",
+        ("gate", "up"),
+        _attrs(("activation", "str")),
+        output_rule="like gate: act(gate) * up, act computed in fp32 and rounded to gate's dtype (as torch "
+        "does); activation 'silu' (SwiGLU), 'gelu' or 'gelu_tanh' (GeGLU)",
     )
 )
 
@@ -402,6 +427,22 @@ define(
 define(OpSpec("view", ("x",), _attrs(("shape", "ints_or_refs", True, "view_shape")),
               output_rule="x's elements in the given shape"))
 define(OpSpec("permute", ("x",), _attrs(("dims", "ints", True, "permutation")), output_rule="x's axes reordered"))
+define(
+    OpSpec(
+        "view_permute",
+        ("x",),
+        _attrs(("shape", "ints_or_refs"), ("dims", "ints")),
+        output_rule="permute(view(x, shape), dims) (a head split)",
+    )
+)
+define(
+    OpSpec(
+        "permute_view",
+        ("x",),
+        _attrs(("shape", "ints_or_refs"), ("dims", "ints")),
+        output_rule="view(permute(x, dims), shape) (a head merge)",
+    )
+)
 define(
     OpSpec(
         "slice",
@@ -509,5 +550,31 @@ define(
         ("q", "k", "v", "positions"),
         (AttrSpec("cache_id", "int"), AttrSpec("scale", "float"), AttrSpec("softcap", "float")),
         output_rule="[1, Hq, T, Dv]: q's shape with the last dim of v; dtype of q",
+    )
+)
+
+
+# Quantized weights (ir.quantization): ``linear`` and ``embedding`` with the weight operand
+# replaced in place by its packed parts ``weight, scales, biases?`` (MLX's packing; biases
+# for affine only), typed by ``(group_size, bits, mode)``. The logical weight is [N, K].
+_QUANT_ATTRS = _attrs(("group_size", "int"), ("bits", "int"), ("mode", "str"))
+define(
+    OpSpec(
+        "quantized_linear",
+        ("x", "weight", "scales", "biases?", "bias?"),
+        _QUANT_ATTRS,
+        output_rule="x @ dequantize(weight, scales, biases).T (+ bias): x's shape with the last dim = N; "
+        "dtype of x (MLX: quantized_matmul(x, weight, scales, biases, transpose=True, group_size, bits, mode))",
+        check=quantization.check_operands,
+    )
+)
+define(
+    OpSpec(
+        "quantized_embedding",
+        ("weight", "scales", "biases?", "indices"),
+        _QUANT_ATTRS + _attrs(("dtype", "dtype")),
+        output_rule="indices.shape + [K]: the rows indices select, dequantized to dtype (MLX: take the rows "
+        "of each part, then dequantize(rows, scales rows, biases rows, group_size, bits, mode, dtype))",
+        check=quantization.check_operands,
     )
 )

@@ -14,7 +14,7 @@ from enum import Enum
 from typing import Optional, Union
 
 # Dtype names, as numpy/MLX spell them.
-DTYPES = ("float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool")
+DTYPES = ("float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool", "uint32")
 
 
 class SlotKind(str, Enum):

@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping, Optional
 
 from .errors import FormatError
+from .quantization import QuantSpec
 
 MANIFEST_VERSION = 1
 # The dtypes a model is exported in (weights, activations, and the KV cache by default).
@@ -39,11 +40,14 @@ class Manifest:
     pad_token_id: Optional[int] = None
     format_version: int = MANIFEST_VERSION
     extra: dict = field(default_factory=dict)
+    quantization: Optional[QuantSpec] = None  # the type of the quantized linear/embedding weights
 
     def to_dict(self) -> dict:
         d = asdict(self)
         d["cache"] = [asdict(c) for c in self.cache]
         d["eos_token_ids"] = list(self.eos_token_ids)
+        if self.quantization is None:
+            del d["quantization"]
         return d
 
     @classmethod
@@ -93,6 +97,7 @@ class Manifest:
             pad_token_id=token_ids["pad_token_id"],
             format_version=version,
             extra=dict(_field(d, "extra", dict, optional=True) or {}),
+            quantization=None if d.get("quantization") is None else QuantSpec.from_dict(d["quantization"]),
         )
 
 

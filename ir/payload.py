@@ -37,6 +37,7 @@ from mlx_pte.schemas.flatread import FlatBuffer, FlatBufferError, Table
 
 from .catalog import validate_graph
 from .errors import FormatError
+from .quantization import quantized_constants
 from .graph import (
     DTYPES,
     AttrValue,
@@ -63,7 +64,7 @@ _CRC_START = _HEADER.size - 8  # the CRC field; the header bytes before it are s
 
 ITEMSIZE = {
     "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4,
-    "int16": 2, "int8": 1, "uint8": 1, "bool": 1,
+    "int16": 2, "int8": 1, "uint8": 1, "bool": 1, "uint32": 4,
 }  # fmt: skip
 
 ConstantBytes = Union[bytes, bytearray, memoryview, np.ndarray]
@@ -101,7 +102,7 @@ def check_graph(graph: Graph) -> None:
     """Raise FormatError unless ``graph`` is well formed.
 
     Checks slot types, the input and output lists, every instruction against the op
-    catalog, and dataflow: an instruction reads only slots already written (inputs,
+    catalog, the quantized weights (``ir.quantization``), and dataflow: an instruction reads only slots already written (inputs,
     constants, earlier results) and writes only temps, each at most once.
     """
     for index, slot in enumerate(graph.slots):
@@ -121,6 +122,7 @@ def check_graph(graph: Graph) -> None:
         if not 0 <= s < n:
             raise FormatError(f"graph output {s} refers to a slot that does not exist")
     validate_graph(graph)
+    quantized_constants(graph)  # one packed weight is one quantized weight to all its readers
     _check_dataflow(graph)
 
 

@@ -21,8 +21,10 @@ from typing import Callable, Optional, Sequence
 from mlx_pte.export.errors import ExportError
 from mlx_pte.ir.errors import FormatError
 from mlx_pte.ir.graph import ScalarType, SymDim, TensorType
+from mlx_pte.ir.layers import layer_counts
 from mlx_pte.ir.manifest import CacheLayerSpec
-from mlx_pte.ir.payload import Payload
+from mlx_pte.ir.payload import ITEMSIZE, Payload
+from mlx_pte.ir.quantization import PRESETS, QuantSpec, full_precision_weights, quantized_constants
 from mlx_pte.ir.pte import read_pte
 from mlx_pte.ir.upstream.importer import ImportedPayload
 from mlx_pte.runtime.cache import KINDS, CacheError
@@ -151,6 +153,7 @@ def describe(payload: Payload | ImportedPayload) -> list[str]:
     lines = [
         f"graph: {len(graph.slots)} slots ({kinds['input']} inputs, {kinds['constant']} constants, "
         f"{kinds['temp']} temps), {len(graph.instructions)} instructions",
+        layer_counts(graph).summary(),
         f"weights: {len(constants)} constants, {weight_bytes:,} bytes",
     ]
     for title, slots in (("inputs", graph.inputs), ("outputs", graph.outputs)):
@@ -161,6 +164,7 @@ def describe(payload: Payload | ImportedPayload) -> list[str]:
     if dims:
         lines.append("dynamic dims:")
         lines += _table([(d.name, f"[{d.min}, {'unbounded)' if d.max is None else f'{d.max}]'}") for d in dims])
+    lines += quantization_report(payload, per_tensor=True)
     ops = Counter(instr.op for instr in graph.instructions)
     lines.append("ops:")
     lines += _table([(op, str(n)) for op, n in sorted(ops.items(), key=lambda kv: (-kv[1], kv[0]))])
@@ -175,6 +179,40 @@ def describe(payload: Payload | ImportedPayload) -> list[str]:
         shown["tokenizer"] = f"<tokenizer.json: {len(shown['tokenizer']):,} characters>"
     lines.append("manifest:")
     lines += ["  " + line for line in json.dumps(shown, indent=2, ensure_ascii=False).splitlines()]
+    return lines
+
+
+def quantization_report(payload: Payload, per_tensor: bool) -> list[str]:
+    """The quantized weights (bits, group size, mode, bytes; per tensor if asked), the
+    weights kept at full precision with the reason, and the weight total against full
+    precision. Empty for a file without quantized weights."""
+    graph = payload.graph
+    quantized = quantized_constants(graph)
+    if not quantized:
+        return []
+    recorded = payload.manifest.get("quantization")
+    spec = None if recorded is None else QuantSpec.from_dict(recorded)
+    part_bytes = {slot: c.nbytes for slot, c in payload.constants.items()}
+    stored = sum(part_bytes.values())
+    rows, saved = [], 0
+    for qc in quantized.values():
+        nbytes = sum(part_bytes.get(s, 0) for s in qc.slots)
+        full = qc.shape[0] * qc.shape[1] * ITEMSIZE[qc.dtype]
+        saved += full - nbytes
+        rows.append((graph.slots[qc.weight].name, f"{qc.dtype}[{qc.shape[0]}, {qc.shape[1]}]", qc.spec.mode,
+                     f"{qc.spec.bits}", f"{qc.spec.group_size}", f"{nbytes:,}", f"{full:,}"))  # fmt: skip
+    modes = sorted({qc.spec.describe() for qc in quantized.values()})
+    lines = [
+        f"quantized: {len(quantized)} weights ({'; '.join(modes)}); all weights {stored:,} bytes, "
+        f"{stored + saved:,} at full precision ({stored / (stored + saved):.1%})"
+    ]
+    if per_tensor:
+        lines.append("quantized weights:")
+        lines += _table([("name", "logical", "mode", "bits", "group", "bytes", "full precision"), *rows])
+    kept = full_precision_weights(graph, spec) if spec is not None else {}
+    if kept:
+        lines.append(f"kept at full precision ({len(kept)}):")
+        lines += _table([(name, reason) for name, reason in kept.items()])
     return lines
 
 
@@ -211,15 +249,29 @@ def export_command(parser: argparse.ArgumentParser) -> Handler:
         "--max-step", type=int, default=256,
         help="most tokens one forward takes (prefill chunk size); default 256",
     )
+    parser.add_argument(
+        "--quantize", choices=tuple(PRESETS), default=None,
+        help="quantize linear and embedding weights: q4 / q8 (affine, MLX's packing), mxfp4, nvfp4; "
+        "a weight whose rows do not divide into groups stays full precision (listed after export)",
+    )
+    parser.add_argument(
+        "--group-size", type=int, default=None,
+        help="elements per quantization group: 32, 64 (default) or 128 for q4/q8; mxfp4 uses 32, nvfp4 16",
+    )
     parser.add_argument("--no-progress", action="store_true", help="do not show the progress bar")
 
     def run(args: argparse.Namespace) -> int:
+        if args.group_size is not None and args.quantize is None:
+            raise ValueError("--group-size needs --quantize")
+        quantize = None if args.quantize is None else QuantSpec.from_preset(args.quantize, args.group_size)
         quiet_export_dependencies()
         from mlx_pte.export.hf_export import export_hf
 
         out = export_hf(args.model_dir, args.output, dtype=args.dtype, max_step=args.max_step,
-                        progress=not args.no_progress)
+                        progress=not args.no_progress, quantize=quantize)
         print(f"wrote {out} ({os.path.getsize(out):,} bytes)")
+        if quantize is not None:
+            print("\n".join(quantization_report(read_pte(out), per_tensor=False)))
         return 0
 
     return run

@@ -16,6 +16,7 @@ class DType(object):
     int8 = 6
     uint8 = 7
     bool = 8
+    uint32 = 9
 
 
 class SlotKind(object):

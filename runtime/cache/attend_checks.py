@@ -2,7 +2,9 @@
 
 Backend-neutral: it reads only ``.shape`` and ``.dtype``, which torch and MLX arrays both
 have. It runs before anything is written, so a rejected call leaves the cache exactly as
-it was.
+it was. A call's outcome depends only on its layer, shapes, dtypes, softcap and the step's
+token count, so each such signature is checked once per cache and remembered (every layer
+of every decode step repeats the same few).
 """
 from __future__ import annotations
 
@@ -30,6 +32,21 @@ def check_attend(cache: CacheBase, layer: object, q: Any, k: Any, v: Any, softca
         AttendError: anything else that does not match.
     """
     tokens = len(cache.step_plan.step)
+    try:
+        signature = (type(layer), layer, tuple(q.shape), tuple(k.shape), tuple(v.shape), q.dtype, k.dtype, v.dtype,
+                     softcap, tokens)
+        known = cache.checked_attends.get(signature)
+    except TypeError:  # an unhashable layer or softcap: the full check explains it
+        signature, known = None, None
+    if known is not None:
+        return known
+    geo = _check(cache, layer, q, k, v, softcap, tokens)
+    if signature is not None:
+        cache.checked_attends[signature] = geo
+    return geo
+
+
+def _check(cache: CacheBase, layer: object, q: Any, k: Any, v: Any, softcap: float, tokens: int) -> LayerGeometry:
     geo = cache.layer_geometry(layer)
     for name, a in (("q", q), ("k", k), ("v", v)):
         shape = tuple(a.shape)

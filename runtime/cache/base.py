@@ -31,6 +31,8 @@ class CacheBase(Generic[PlanT]):
         self._plan: Optional[PlanT] = None
         # Bumped on every change of state, so a plan can tell whether it is still current.
         self.generation = 0
+        # attend-call signatures already validated (see attend_checks): geometry never changes.
+        self.checked_attends: dict[tuple, LayerGeometry] = {}
 
     # -- queries ------------------------------------------------------------------
     @property

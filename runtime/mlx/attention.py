@@ -1,8 +1,11 @@
 """Attention over a window the cache has already read and masked.
 
-Compute is fp32 whatever the storage or model dtype: on CPU, MLX's bf16/fp16 matmuls
-are far slower than fp32, and the oracle computes in fp32 too. GQA is native (K/V are
-never tiled), and V's head dim may differ from K's.
+On CPU, compute is fp32 whatever the storage or model dtype: MLX's bf16/fp16 CPU matmuls
+are far slower than fp32, and the oracle computes in fp32 too. On a GPU the fused kernel
+runs in the model's dtype (it accumulates in fp32 itself): an fp32 upcast would cost
+three casts per layer and keep a half-precision prefill off cuDNN's fused attention.
+Softcapped scores are always fp32 (they are explicit). GQA is native (K/V are never
+tiled), and V's head dim may differ from K's.
 """
 from __future__ import annotations
 
@@ -30,7 +33,8 @@ def attend(
         [B, Hq, T, Dv] in q's dtype.
     """
     out_dtype = q.dtype
-    q, k, v = (cast(a, mx.float32) for a in (q, k, v))
+    compute = mx.float32 if softcap > 0 or mx.default_device() == mx.cpu else q.dtype
+    q, k, v = (cast(a, compute) for a in (q, k, v))
     if softcap > 0:
         out = _softcapped(q, k, v, scale, softcap, mask)
     else:

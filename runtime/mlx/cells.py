@@ -83,8 +83,11 @@ class MLXCellCache(CellCache):
         cells, top = self._memo.get(
             plan, "cells", lambda: (mx.array(plan.cells.astype("int32")), int(plan.cells.max()))
         )
-        pools.k.scatter(cells, k, top)
-        pools.v.scatter(cells, v, top)
+        for pool in (pools.k, pools.v):
+            pool.reserve(1, top + 1)
+        where = self._memo.get(plan, ("index", pools.k.data.shape[:3]), lambda: pools.k.scatter_index(cells))
+        pools.k.write(where, k)
+        pools.v.write(where, v)
         keys = pools.k.read(0, 0, plan.read_len)
         values = pools.v.read(0, 0, plan.read_len)
         window = geo.policy.window

@@ -147,14 +147,17 @@ class Pool:
             rows: int32 [T]; None writes row 0.
             top_row: the largest entry of ``rows``.
         """
-        tokens = slots.shape[0]
-        shape = tuple(update.shape)
-        if shape != (1, self.heads, tokens, self.dim):
-            raise PoolBoundsError(
-                f"pool update must be [1, {self.heads}, {tokens}, {self.dim}], got {shape}"
-            )
+        self._check_update(update, slots.shape[0])
         self.reserve(top_row + 1, top_slot + 1)
-        rows_, heads, slots_, dim = self.data.shape
+        self.write(self.scatter_index(slots, rows, top_row), update)
+
+    def scatter_index(self, slots: mx.array, rows: Optional[mx.array] = None, top_row: int = 0) -> mx.array:
+        """The flat index ``write`` takes for tokens at ``(rows[i], slots[i])``.
+
+        It depends only on the pool's shape (not its dim), so the K and V pools of every
+        layer with the same heads and slots share one per step. Call after ``reserve``.
+        """
+        rows_, heads, slots_, _ = self.data.shape
         # Flatten to [rows*H*slots, D] so one scatter along axis 0 places every
         # (row, head, slot); a reshape of the contiguous pool is free.
         wide = rows_ * heads * slots_ > MAX_INDEX  # int32 indices would overflow
@@ -162,10 +165,39 @@ class Pool:
         base = mx.arange(heads, dtype=itype)[None, :] * slots_ + cast(slots, itype)[:, None]
         if rows is not None and top_row > 0:  # rows all 0 add nothing
             base = base + (cast(rows, itype) * (heads * slots_))[:, None]
-        index = base.reshape(tokens * heads, 1)
+        return base.reshape(-1, 1)
+
+    def write(self, index: mx.array, update: mx.array) -> None:
+        """Write ``update`` ([1, H, T, D]) at ``index`` (``scatter_index`` of its tokens)."""
+        tokens = index.shape[0] // self.heads
+        self._check_update(update, tokens)
+        rows_, heads, slots_, dim = self.data.shape
         values = cast(update, self.dtype)[0].transpose(1, 0, 2).reshape(tokens * heads, dim)
         flat = self.data.reshape(rows_ * heads * slots_, dim)
         self.data = mx.put_along_axis(flat, index, values, axis=0).reshape(rows_, heads, slots_, dim)
+
+    def write_runs(self, row: int, runs: Sequence[Run], starts: Sequence[mx.array], update: mx.array) -> None:
+        """Write ``update``'s tokens ([1, H, T, D]) in order over the slot ``runs`` of ``row``.
+
+        One ``slice_update`` per run (a step of one sequence has 1-2 runs): fewer and
+        cheaper ops than the flat scatter. ``starts[i]`` is ``mx.array([row, runs[i].start])``
+        (built once per step by the caller, shared by every layer).
+        """
+        self._check_update(update, sum(run.length for run in runs))
+        self.reserve(row + 1, max(run.start + run.length for run in runs))
+        update = cast(update, self.dtype)
+        offset = 0
+        for run, start in zip(runs, starts):
+            part = update if len(runs) == 1 else update[:, :, offset : offset + run.length]
+            self.data = mx.slice_update(self.data, part, start, axes=(0, 2))
+            offset += run.length
+
+    def _check_update(self, update: mx.array, tokens: int) -> None:
+        shape = tuple(update.shape)
+        if shape != (1, self.heads, tokens, self.dim):
+            raise PoolBoundsError(
+                f"pool update must be [1, {self.heads}, {tokens}, {self.dim}], got {shape}"
+            )
 
     # -- whole rows ---------------------------------------------------------------------------
     def window(self, lo: int, hi: int, length: int) -> mx.array:

@@ -1,8 +1,8 @@
 """``single`` and ``batched-sequence`` on MLX: a private history per sequence.
 
 Both keep, per layer, one K and one V pool whose row r is sequence r's history (the
-single kind uses row 0). A step writes all its tokens first, in one scatter per pool,
-then attends either span by span (each span reads its run plan's runs in logical order,
+single kind uses row 0). A step writes all its tokens first (a step of one sequence in
+one ``slice_update`` per contiguous slot run, others in one scatter per pool), then attends either span by span (each span reads its run plan's runs in logical order,
 with the mask the run plan asks for) or, when several sequences step together and it
 is cheaper, as one padded batch over their rows (see ``padded``).
 
@@ -115,10 +115,27 @@ class SequencePools:
         index = self.policies.layer_layout[layer]
         layout = self.policies.layouts[index]
         pools = self._pools[layer]
-        at = self._memo.get(plan, ("slots", index), lambda: token_slots(plan, layout))
-        for pool, update in ((pools.k, k), (pools.v, v)):
-            pool.scatter(at.slots, update, at.top_slot, at.rows, at.top_row)
-        runs = plan.runs_for_layer(layer)
+        runs = self._memo.get(plan, ("runs", index), lambda: plan.runs_for_layer(layer))
+        if len(runs) == 1:
+            # One sequence: its K/V land in 1-2 contiguous slot runs.
+            span, run = runs[0]
+            starts = self._memo.get(
+                plan, ("starts", index),
+                lambda: [mx.array([span.seq_id, w.start]) for w in run.write],
+            )
+            pools.k.write_runs(span.seq_id, run.write, starts, k)
+            pools.v.write_runs(span.seq_id, run.write, starts, v)
+        else:
+            at = self._memo.get(plan, ("slots", index), lambda: token_slots(plan, layout))
+            for pool in (pools.k, pools.v):
+                pool.reserve(at.top_row + 1, at.top_slot + 1)
+            # One flat index per step per layout and pool shape, shared by K, V and layers.
+            where = self._memo.get(
+                plan, ("index", index, pools.k.data.shape[:3]),
+                lambda: pools.k.scatter_index(at.slots, at.rows, at.top_row),
+            )
+            pools.k.write(where, k)
+            pools.v.write(where, v)
         batch: Optional[PaddedBatch] = self._memo.get(
             plan, ("batch", index), lambda: plan_padded(runs, layout)
         )
@@ -126,11 +143,11 @@ class SequencePools:
             return attend_padded(pools, batch, q, scale, softcap)
         outs = []
         for i, (span, run) in enumerate(runs):
-            tokens = slice(span.start, span.start + span.count)
+            queries = q if len(runs) == 1 else q[:, :, span.start : span.start + span.count]
             keys = pools.k.read_runs(span.seq_id, run.read)
             values = pools.v.read_runs(span.seq_id, run.read)
             mask = self._memo.get(plan, ("span", index, i), lambda: run_mask(run))
-            outs.append(attend(q[:, :, tokens], keys, values, scale, softcap, mask))
+            outs.append(attend(queries, keys, values, scale, softcap, mask))
         return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)
 
     def _clear_storage(self) -> None:

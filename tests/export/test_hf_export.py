@@ -46,9 +46,12 @@ def test_bfloat16_export_writes_manifest_and_attention_calls(tiny_checkpoint, tm
     assert isinstance(t, SymDim) and isinstance(r, SymDim) and t.name != r.name
     assert (t.min, t.max, r.min, r.max) == (1, MAX_STEP, 1, MAX_STEP)
 
-    # Every parameter is bf16 (HF keeps buffers such as RoPE's inv_freq in fp32).
+    # Every parameter is bf16 (HF keeps buffers such as RoPE's inv_freq in fp32); Gemma's
+    # norm weights are folded to 1 + w in fp32, as HF computes them.
     constants = [payload.graph.slots[s] for s in payload.constants]
     assert {c.type.dtype for c in constants if c.name.endswith(".weight")} == {"bfloat16"}
+    folded = [c for c in constants if c.name.endswith("norm.weight.folded")]
+    assert len(folded) == 9 and {c.type.dtype for c in folded} == {"float32"}  # 4 per layer + the final norm
 
 
 def test_max_step_beyond_the_context_is_refused_quietly(tiny_checkpoint, tmp_path: Path, capfd):

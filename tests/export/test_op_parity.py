@@ -21,6 +21,7 @@ import mlx.core as mx
 
 from mlx_pte.ir.catalog import CATALOG
 
+from . import hf_blocks
 from .roundtrip import assert_matches, export_and_load
 
 # Relative to max(|ref|, 1). Measured worst cases: fp32 7.8e-7 (linalg), fp16 8.4e-4,
@@ -235,6 +236,14 @@ CASES: dict[str, Case] = {
         lambda t: (_rand(t, 3), torch.randint(0, 9, (t,), generator=_GEN)),
         (3, 1, 7),
         _dynamic(0, 0),
+    ),
+    # HF's layers: the fused rms_norm, rope, glu, view_permute and permute_view (test_fusion.py
+    # covers each in every dtype).
+    "hf_block": Case(
+        hf_blocks.Block,
+        lambda t: (_rand(1, t, hf_blocks.HIDDEN), torch.randint(0, 300, (t,), generator=_GEN)),
+        (5, 1, 12),
+        _dynamic(1, 0),
     ),
     # torch.export needs every derived size >= 2 here, hence T >= 5.
     "symbolic_sizes": Case(SymbolicSizes, lambda t: (_rand(t, 4),), (6, 5, 11), _dynamic(0, low=5)),

@@ -51,7 +51,7 @@ def codec_for(name: str) -> tuple[TextCodec, list[int]]:
     """The real TextCodec over that tokenizer, and the ids of its non-ASCII tokens."""
     if name not in _built:
         tok = TOKENIZERS[name]()
-        manifest = SimpleNamespace(tokenizer=tok.to_str(), chat_template=None, bos_token_id=None, eos_token_ids=[])
+        manifest = SimpleNamespace(tokenizer=tok.to_str(), chat_template=None, bos_token_id=None, eos_token_ids=[], pad_token_id=None)
         codec = TextCodec(manifest)
         wide = [i for i in range(tok.get_vocab_size()) if not codec.decode([i]).isascii()]
         _built[name] = (codec, wide)

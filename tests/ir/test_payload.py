@@ -30,7 +30,7 @@ from . import layout
 from .sample import sample
 
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2,
-            "int8": 1, "uint8": 1, "bool": 1}  # fmt: skip
+            "int8": 1, "uint8": 1, "bool": 1, "uint32": 4}  # fmt: skip
 
 # An op with every attribute kind, two results and an optional operand, registered only
 # while this module's tests run.

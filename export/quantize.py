@@ -1,0 +1,130 @@
+"""Export-time weight quantization: which constants of an edge program are quantized, and
+their packed parts.
+
+The packing is ``mlx.core.quantize`` itself, run here on the full-precision weights, so
+the bytes are MLX's own by construction and the same weights always give the same bytes.
+
+Rule (``plan_quantization``): a constant is quantized when every read of it is as the
+weight of a ``linear`` or an ``embedding`` (a tied LM head and its embedding read one
+constant, so they share one quantized copy), it is floating point and its rows divide
+into groups (``ir.quantization.keep_reason``). A linear or embedding weight that does not
+fit stays full precision, and the written file reports it
+(``ir.quantization.full_precision_weights``); nothing else is ever quantized.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+from torch.export import ExportedProgram
+from torch.fx import Node
+
+import mlx_pte.runtime.mlx.blas  # noqa: F401  (load an optimized BLAS before mlx.core)
+import mlx.core as mx
+
+from mlx_pte.ir.graph import TensorType
+from mlx_pte.ir.quantization import QuantizationError, QuantSpec, keep_reason
+
+from .graph_builder import DTYPE_NAMES, ep_constant, target_key
+
+aten = torch.ops.aten
+
+# op -> index of the weight among its arguments
+_WEIGHT_ARG = {aten.linear.default: 1, aten.embedding.default: 0}
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """One weight's packed parts, as ``mx.quantize`` returned them (numpy, C order)."""
+
+    spec: QuantSpec
+    dtype: str  # of the full-precision weight
+    weight: np.ndarray  # uint32 [N, K * bits / 32]
+    scales: np.ndarray
+    biases: Optional[np.ndarray]
+
+    def parts(self) -> list[tuple[str, TensorType, np.ndarray]]:
+        """(name suffix, type, array) of each stored part: weight, scales, biases."""
+        types = self.spec.parts((self.weight.shape[0], self.weight.shape[1] * 32 // self.spec.bits), self.dtype)
+        arrays = (self.weight, self.scales, self.biases)
+        return [
+            (suffix, TensorType(t.dtype, t.shape), a)
+            for suffix, t, a in zip(("", ".scales", ".biases"), types, arrays)
+            if t is not None
+        ]
+
+
+def _is_weight_read(user: Node, node: Node, absorbed: frozenset[Node]) -> bool:
+    at = _WEIGHT_ARG.get(target_key(user.target)) if user.op == "call_function" else None
+    return at is not None and user not in absorbed and len(user.args) > at and user.args[at] is node
+
+
+def _weight_reads(node: Node, absorbed: frozenset[Node]) -> tuple[bool, bool]:
+    """(some read of ``node`` is as a linear/embedding weight, every read is)."""
+    reads = [_is_weight_read(user, node, absorbed) for user in node.users]
+    return any(reads), all(reads)
+
+
+def plan_quantization(
+    ep: ExportedProgram, spec: Optional[QuantSpec], absorbed: frozenset[Node] = frozenset()
+) -> dict[Node, PackedWeight]:
+    """The packed parts of every linear / embedding weight of ``ep`` that fits ``spec``.
+
+    Args:
+        ep: the edge program being lowered.
+        spec: the quantization type; None quantizes nothing.
+        absorbed: nodes a fusion lowers (a weight one of them reads stays as it is).
+
+    Returns:
+        Weight placeholder → its packed parts. The weights left out are those
+        ``ir.quantization.full_precision_weights`` reports.
+    """
+    packed: dict[Node, PackedWeight] = {}
+    if spec is None:
+        return packed
+    for node in ep.graph.nodes:
+        tensor = ep_constant(ep, node) if node.op == "placeholder" else None
+        if tensor is None or not node.users:
+            continue
+        some, every = _weight_reads(node, absorbed)
+        dtype = DTYPE_NAMES.get(tensor.dtype, str(tensor.dtype))
+        if some and keep_reason(spec, tuple(tensor.shape), dtype, other_reads=not every) is None:
+            packed[node] = quantize_weight(tensor, spec)
+    return packed
+
+
+def check_quantizable(spec: QuantSpec) -> None:
+    """Raise QuantizationError now if this machine's MLX cannot quantize to ``spec``."""
+    quantize_weight(torch.ones(1, spec.group_size), spec)
+
+
+def quantize_weight(tensor: torch.Tensor, spec: QuantSpec) -> PackedWeight:
+    """MLX's packing of a 2-D float weight (its own dtype's scales, for affine).
+
+    Raises:
+        QuantizationError: this machine's MLX cannot quantize to ``spec``.
+    """
+    dtype = DTYPE_NAMES[tensor.dtype]
+    try:
+        parts = mx.quantize(_to_mlx(tensor), group_size=spec.group_size, bits=spec.bits, mode=spec.mode)
+        mx.eval(parts)
+    except (RuntimeError, ValueError) as exc:
+        raise QuantizationError(
+            f"MLX {mx.__version__} on {mx.default_device()} cannot quantize to {spec.describe()}: {exc}"
+        ) from None
+    weight, scales, *rest = (_to_numpy(p) for p in parts)
+    return PackedWeight(spec, dtype, weight, scales, rest[0] if spec.affine else None)
+
+
+def _to_mlx(tensor: torch.Tensor) -> mx.array:
+    t = tensor.detach().contiguous()
+    if t.dtype == torch.bfloat16:
+        return mx.array(t.view(torch.uint16).numpy()).view(mx.bfloat16)
+    return mx.array(t.numpy())
+
+
+def _to_numpy(array: mx.array) -> np.ndarray:
+    """The array's bytes as numpy (bfloat16 kept as its uint16 bit patterns)."""
+    return np.array(array.view(mx.uint16) if array.dtype == mx.bfloat16 else array)
