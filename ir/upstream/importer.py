@@ -39,6 +39,10 @@ class UnsupportedNodeError(FormatError):
         super().__init__(f"the upstream MLX program uses node types mlx-pte does not run: {listed}")
 
 
+class MutableBuffersError(FormatError):
+    """The program keeps state (e.g. a KV cache) in graph buffers, which mlx-pte does not run."""
+
+
 @dataclass(frozen=True)
 class ImportedPayload:
     """An imported program: the IR graph, its manifest, and each constant's bytes."""
@@ -120,10 +124,11 @@ def _start(
     """Decode the payload; a builder over ``graph`` with every constant bound."""
     fb = decode_graph(payload)
     if fb.numMutableBufferTensors:
-        raise FormatError(
+        raise MutableBuffersError(
             "the upstream program keeps its KV cache in graph buffers; mlx-pte runs off-graph-cache "
             "exports only (export_llm_hf --use-offgraph-cache)"
         )
+    _check_node_types(fb)  # before the constants: a quantized weight's packed dtype is no IR dtype
     counts = (fb.numConstantTensors, fb.numInputTensors, fb.numOutputTensors, fb.numTempTensors)
     builder = ImportBuilder(graph, sum(counts), fb.numValues, n_caches, fb.numConstantTensors + fb.numInputTensors)
     weights = _bind_constants(graph, builder, fb, list(fb.tensorMeta or ()), named_data)
@@ -243,31 +248,39 @@ def _bind_llm_inputs(builder: ImportBuilder, fb: Any, meta: list, tokens: int, p
             builder.bind(tid, cast)
 
 
-def _translate(builder: ImportBuilder, fb: Any) -> None:
+def _chains(fb: Any) -> list[Any]:
+    """The instructions run each step: the init chain (if any), then the main chain."""
     chains = fb.instructionChains
     order = [fb.initChainIdx] if fb.initChainIdx >= 0 else []
     order.append(fb.mainChainIdx)
     if any(not 0 <= c < len(chains) for c in order):
         raise FormatError(f"the upstream graph runs chain {order}, it has {len(chains)} chains")
+    return [instruction for c in order for instruction in chains[c].instructions or ()]
+
+
+def _node_name(instruction: Any, names: Mapping[int, str]) -> str:
+    if instruction.op is None:
+        code = instruction.opType
+        return names.get(code, f"node type code {code} (unknown to this executorch schema)")
+    return type(instruction.op).__name__[:-1]  # flatc's object classes end in "T"
+
+
+def _check_node_types(fb: Any) -> None:
+    """UnsupportedNodeError listing every node type without a translation."""
     names = node_type_names()
-    steps = []
     unsupported: dict[str, int] = {}
-    for chain in order:
-        for instruction in chains[chain].instructions or ():
-            if instruction.op is None:
-                code = instruction.opType
-                label = names.get(code, f"node type code {code} (unknown to this executorch schema)")
-                unsupported[label] = unsupported.get(label, 0) + 1
-                continue
-            name = type(instruction.op).__name__[:-1]  # flatc's object classes end in "T"
-            translate = translation(name)
-            if translate is None:
-                unsupported[name] = unsupported.get(name, 0) + 1
-            steps.append((translate, instruction.op))
+    for instruction in _chains(fb):
+        name = _node_name(instruction, names)
+        if instruction.op is None or translation(name) is None:
+            unsupported[name] = unsupported.get(name, 0) + 1
     if unsupported:
         raise UnsupportedNodeError(unsupported)
-    for translate, node in steps:
-        translate(builder, node)
+
+
+def _translate(builder: ImportBuilder, fb: Any) -> None:
+    names = node_type_names()
+    for instruction in _chains(fb):
+        translation(_node_name(instruction, names))(builder, instruction.op)
 
 
 def _add_logits_output(graph: Graph, builder: ImportBuilder, fb: Any, meta: list, rows: int) -> tuple[int, str]:

@@ -9,7 +9,8 @@ with ``ir.upstream.importer.import_function``, run, and compared with upstream's
 defaults are ``test_utils.TOLERANCE_PRESETS``'s fp32 row). Outcomes:
 
 - passed / failed (wrong values or shape, or an error while running);
-- unsupported: node types mlx-pte has no translation for (listed);
+- unsupported: node types mlx-pte has no translation for (listed), or state kept in
+  mutable graph buffers (an in-graph KV cache);
 - not delegated: upstream keeps part of the program outside its delegate (by design for
   the case, e.g. ``expected_mlx_segments != 1``), so no single payload computes it;
 - build error: upstream's case itself (its model, inputs or eager reference) or its
@@ -36,7 +37,7 @@ import mlx.core as mx
 from mlx_pte.interpreter.program import Program
 from mlx_pte.ir.errors import FormatError
 from mlx_pte.ir.pte import read_program
-from mlx_pte.ir.upstream.importer import UnsupportedNodeError, import_function
+from mlx_pte.ir.upstream.importer import MutableBuffersError, UnsupportedNodeError, import_function
 from mlx_pte.runtime.cache import CACHE_FACTORY, KIND_SINGLE, CacheConfig, CacheGeometry, LayerGeometry, LayerPolicy, Step
 
 PASSED, FAILED, UNSUPPORTED, NOT_DELEGATED, BUILD_ERROR = (
@@ -150,6 +151,8 @@ def run_case(base: str, case: Any, workdir: Path) -> CaseResult:
         program = Program.from_payload(import_function(contents.payload, contents.named_data))
     except UnsupportedNodeError as exc:
         return CaseResult(base, name, UNSUPPORTED, str(exc), tuple(sorted(exc.node_types)))
+    except MutableBuffersError as exc:
+        return CaseResult(base, name, UNSUPPORTED, str(exc), ("mutable buffers",))
     except FormatError as exc:
         return CaseResult(base, name, FAILED, f"import: {exc}")
     except Exception as exc:  # a bug in the importer: reported with the case, the suite goes on
