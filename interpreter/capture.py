@@ -47,7 +47,7 @@ import mlx.core as mx
 from mlx_pte.ir.graph import Graph, SymDim, TensorType
 
 from .handlers import RunContext
-from .plan import PreparedStep, ShapeKey, int_slots
+from .plan import PreparedStep, ShapeKey, call_handler, int_slots
 
 
 @dataclass(frozen=True)
@@ -245,7 +245,7 @@ class Capture:
         if tokens != padded:
             args = [a if axis is None or a is None else _take(a, axis, tokens)
                     for a, axis in zip(args, part.axes.operands)]
-        out = step.handler(args, step.attrs_for(values), ctx)
+        out = call_handler(step, step.handler, args, step.attrs_for(values), ctx)
         values[step.outputs[0]] = _pad(out, part.axes.result, padded) if tokens != padded else out
 
     def _compile(self) -> _Shape:

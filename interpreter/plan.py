@@ -17,7 +17,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 from mlx_pte.ir.errors import FormatError
 from mlx_pte.ir.graph import Graph, Instruction, ScalarType, SlotRef
-from mlx_pte.runtime.cache import CacheError
+from mlx_pte.runtime.cache import AttendError, CacheError
 
 from .handlers import HANDLERS, Handler, RunContext
 
@@ -31,6 +31,34 @@ class GraphRunError(FormatError):
 
 # What MLX and the handlers raise for operands and attributes that do not fit together.
 _OP_FAILURES = (ValueError, IndexError, TypeError, OverflowError, ZeroDivisionError)
+
+
+def call_handler(step: Union["PreparedStep", "_Where"], handler: Handler, args: list, attrs: dict[str, Any], ctx: RunContext) -> Any:
+    """``handler(args, attrs, ctx)``; a failure the graph itself causes becomes a
+    ``GraphRunError`` naming ``step``. Cache refusals pass through as they are; an attention
+    input that does not fit the declared step is the graph's fault here, since the session
+    declared the step from the same tokens the graph reads."""
+    try:
+        return handler(args, attrs, ctx)
+    except AttendError as exc:
+        raise _graph_error(step, exc) from None
+    except CacheError:
+        raise
+    except _OP_FAILURES as exc:
+        raise _graph_error(step, exc) from None
+
+
+@dataclass(frozen=True)
+class _Where:
+    index: int
+    op: str
+
+
+def _graph_error(step: Union["PreparedStep", "_Where"], exc: Exception) -> GraphRunError:
+    return GraphRunError(
+        f"instruction {step.index} ({step.op!r}) failed: {exc} (the program's graph is inconsistent; "
+        "export the model again)"
+    )
 
 
 def _holds_ref(value: Any) -> bool:
@@ -83,6 +111,7 @@ def _bind(index: int, op: str, handler: Handler, inputs: tuple[Optional[int], ..
     """A closure running ``handler`` over the slot list, attributes bound; an operand/attribute
     mismatch surfaces as a ``GraphRunError`` naming the instruction."""
     single = outputs[0] if len(outputs) == 1 else None
+    where = _Where(index, op)
 
     def run(values: list, ctx: RunContext) -> None:
         current = attrs
@@ -90,15 +119,7 @@ def _bind(index: int, op: str, handler: Handler, inputs: tuple[Optional[int], ..
             current = dict(attrs)
             for key, value in refs:
                 current[key] = _resolve(value, values)
-        try:
-            result = handler([None if s is None else values[s] for s in inputs], current, ctx)
-        except CacheError:
-            raise
-        except _OP_FAILURES as exc:
-            raise GraphRunError(
-                f"instruction {index} ({op!r}) failed: {exc} (the program's graph is inconsistent; "
-                "export the model again)"
-            ) from None
+        result = call_handler(where, handler, [None if s is None else values[s] for s in inputs], current, ctx)
         if single is not None:
             values[single] = result
         else:

@@ -220,6 +220,30 @@ def _permutation(value: tuple, shapes: _Shapes) -> Optional[str]:
     return None
 
 
+def _result_permutation(value: tuple, shapes: _Shapes) -> Optional[str]:
+    """A permutation of the result's axes (``view_permute`` permutes the viewed shape, whose
+    rank is the result's, not the operand's)."""
+    rank = len(shapes.result or ())
+    if sorted(value) != list(range(rank)):
+        return f"is not a permutation of the {rank} axes of the result"
+    return None
+
+
+def _split_heads_shape(value: tuple, shapes: _Shapes) -> Optional[str]:
+    """``view_permute``'s shape: one -1 at most, and, permuted by its dims, the result's shape
+    (dims that are no permutation of it are the dims rule's to report)."""
+    problem = _shape_rule(-1, 1, match=False)(value, shapes)
+    dims = dict(shapes.instr.attrs).get("dims")
+    if problem or not (isinstance(dims, tuple) and all(_is_int(d) for d in dims)) \
+            or sorted(dims) != list(range(len(value))):
+        return problem
+    return _matches_result(tuple(value[d] for d in dims), shapes, keep=True)
+
+
+def _seq_axis(value: int, shapes: _Shapes) -> Optional[str]:
+    return None if value in (1, 2) else "must be 1 ([1, T, H, D]) or 2 ([1, H, T, D])"
+
+
 def _sorted_axes(value: tuple, shapes: _Shapes) -> Optional[str]:
     if list(value) != sorted(set(value)):
         return "must list distinct axes in increasing order"
@@ -250,10 +274,13 @@ RULES: dict[str, Callable[[object, _Shapes], Optional[str]]] = {
     "squeeze_axes": lambda v, s: _axes(v, s.rank, "axis"),
     "cat_axis": _same_rank,
     "permutation": _permutation,
+    "result_permutation": _result_permutation,
     "nonzero": lambda v, s: "must not be 0" if _is_int(v) and v == 0 else None,
     "sizes": _shape_rule(0, None, match=False),
     "result_shape": _shape_rule(0, None, match=True),  # the created tensor's shape
     "view_shape": _shape_rule(-1, 1, match=True, keep=True),
+    "split_heads_shape": _split_heads_shape,
+    "seq_axis": _seq_axis,
     "expand_shape": _shape_rule(-1, None, match=True, keep=True),
     "tile_reps": _tile_reps,
 }
@@ -380,7 +407,7 @@ define(
     OpSpec(
         "rope",
         ("x", "positions", "inv_freq"),
-        _attrs(("seq_axis", "int")),
+        _attrs(("seq_axis", "int", True, "seq_axis")),
         output_rule="like x, [1, H, T, D] (seq_axis 2) or [1, T, H, D] (seq_axis 1): rope_half(x, cos, sin) with "
         "angles positions[t] * inv_freq (int positions [T], fp32 inv_freq [D/2]) computed in fp32, duplicated "
         "over both halves, cos/sin rounded to x's dtype (HF's default rotary embedding)",
@@ -390,7 +417,7 @@ define(
     OpSpec(
         "glu",
         ("gate", "up"),
-        _attrs(("activation", "str")),
+        (AttrSpec("activation", "str", choices=("silu", "gelu", "gelu_tanh")),),
         output_rule="like gate: act(gate) * up, act computed in fp32 and rounded to gate's dtype (as torch "
         "does); activation 'silu' (SwiGLU), 'gelu' or 'gelu_tanh' (GeGLU)",
     )
@@ -431,7 +458,7 @@ define(
     OpSpec(
         "view_permute",
         ("x",),
-        _attrs(("shape", "ints_or_refs"), ("dims", "ints")),
+        _attrs(("shape", "ints_or_refs", True, "split_heads_shape"), ("dims", "ints", True, "result_permutation")),
         output_rule="permute(view(x, shape), dims) (a head split)",
     )
 )
@@ -439,7 +466,7 @@ define(
     OpSpec(
         "permute_view",
         ("x",),
-        _attrs(("shape", "ints_or_refs"), ("dims", "ints")),
+        _attrs(("shape", "ints_or_refs", True, "view_shape"), ("dims", "ints", True, "permutation")),
         output_rule="view(permute(x, dims), shape) (a head merge)",
     )
 )

@@ -115,11 +115,15 @@ def edit_attr(base, op: str, name: str, value):
     return index, craft_payload(base, graph=graph)
 
 
+# The ops of a fused llama graph (lowering folds its unsqueezes, casts and plain views).
 @pytest.mark.parametrize("op, name, value, says", [
-    ("unsqueeze", "dim", 115, "attribute 'dim' = 115 axis 115 is outside"),
-    ("permute", "dims", (0, 1441794, 1, 3), "is not a permutation"),
-    ("cast", "dtype", "float99", "must be one of float32"),
-    ("view", "shape", (1, -1, -1), "more than one -1"),
+    ("rope", "seq_axis", 115, "attribute 'seq_axis' = 115 must be 1"),
+    ("view_permute", "dims", (0, 1441794, 1, 3), "is not a permutation"),
+    ("permute_view", "dims", (0, 2, 2, 3), "is not a permutation"),
+    ("rms_norm", "eps", "tiny", "attribute .eps."),
+    ("view_permute", "shape", (1, -1, -1, 16), "more than one -1"),
+    ("permute_view", "shape", (1, -1, -1), "more than one -1"),
+    ("glu", "activation", "relu6", "must be one of"),
     ("update_and_attend", "cache_id", 9, "names no cache layer"),
     ("index_select", "dim", -1, "axis -1 is outside"),
 ])  # fmt: skip
@@ -148,11 +152,11 @@ def test_a_bad_manifest_field_is_one_format_error_at_load(base, field, value, sa
 
 
 def test_the_cli_prints_one_line_for_a_crafted_file(base, tmp_path, capsys):
-    _, blob = edit_attr(base, "unsqueeze", "dim", 115)
+    _, blob = edit_attr(base, "rope", "seq_axis", 115)
     path = write_pte(tmp_path / "crafted.pte", blob)
     assert main(["run", str(path), "--prompt", "hi", "--max-new-tokens", "2"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith(f"error: {path}: ") and "'unsqueeze'" in err[0], err
+    assert len(err) == 1 and err[0].startswith(f"error: {path}: ") and "'rope'" in err[0], err
 
 
 def test_chat_with_an_escaping_template_runs_nothing(base, tmp_path, capsys, monkeypatch):
