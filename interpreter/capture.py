@@ -245,7 +245,7 @@ class Capture:
         if tokens != padded:
             args = [a if axis is None or a is None else _take(a, axis, tokens)
                     for a, axis in zip(args, part.axes.operands)]
-        out = call_handler(step, step.handler, args, step.attrs_for(values), ctx)
+        out = call_handler(step.index, step.op, step.handler, args, step.attrs_for(values), ctx)
         values[step.outputs[0]] = _pad(out, part.axes.result, padded) if tokens != padded else out
 
     def _compile(self) -> _Shape:

@@ -33,31 +33,24 @@ class GraphRunError(FormatError):
 _OP_FAILURES = (ValueError, IndexError, TypeError, OverflowError, ZeroDivisionError)
 
 
-def call_handler(step: Union["PreparedStep", "_Where"], handler: Handler, args: list, attrs: dict[str, Any], ctx: RunContext) -> Any:
-    """``handler(args, attrs, ctx)``; a failure the graph itself causes becomes a
-    ``GraphRunError`` naming ``step``. Cache refusals pass through as they are; an attention
-    input that does not fit the declared step is the graph's fault here, since the session
-    declared the step from the same tokens the graph reads."""
+def call_handler(index: int, op: str, handler: Handler, args: list, attrs: dict[str, Any], ctx: RunContext) -> Any:
+    """``handler(args, attrs, ctx)`` for instruction ``index`` (``op``); a failure the graph
+    itself causes becomes a ``GraphRunError`` naming it. Cache refusals pass through as they
+    are; an attention input that does not fit the declared step is the graph's fault here,
+    since the session declared the step from the same tokens the graph reads."""
     try:
         return handler(args, attrs, ctx)
     except AttendError as exc:
-        raise _graph_error(step, exc) from None
+        raise _graph_error(index, op, exc) from None
     except CacheError:
         raise
     except _OP_FAILURES as exc:
-        raise _graph_error(step, exc) from None
+        raise _graph_error(index, op, exc) from None
 
 
-@dataclass(frozen=True)
-class _Where:
-    index: int
-    op: str
-
-
-def _graph_error(step: Union["PreparedStep", "_Where"], exc: Exception) -> GraphRunError:
+def _graph_error(index: int, op: str, exc: Exception) -> GraphRunError:
     return GraphRunError(
-        f"instruction {step.index} ({step.op!r}) failed: {exc} (the program's graph is inconsistent; "
-        "export the model again)"
+        f"instruction {index} ({op!r}) failed: {exc} (the program's graph is inconsistent; export the model again)"
     )
 
 
@@ -111,7 +104,6 @@ def _bind(index: int, op: str, handler: Handler, inputs: tuple[Optional[int], ..
     """A closure running ``handler`` over the slot list, attributes bound; an operand/attribute
     mismatch surfaces as a ``GraphRunError`` naming the instruction."""
     single = outputs[0] if len(outputs) == 1 else None
-    where = _Where(index, op)
 
     def run(values: list, ctx: RunContext) -> None:
         current = attrs
@@ -119,7 +111,7 @@ def _bind(index: int, op: str, handler: Handler, inputs: tuple[Optional[int], ..
             current = dict(attrs)
             for key, value in refs:
                 current[key] = _resolve(value, values)
-        result = call_handler(where, handler, [None if s is None else values[s] for s in inputs], current, ctx)
+        result = call_handler(index, op, handler, [None if s is None else values[s] for s in inputs], current, ctx)
         if single is not None:
             values[single] = result
         else:

@@ -214,19 +214,18 @@ def _shape_rule(lowest: int, most_minus_one: Optional[int], match: bool, keep: b
     return rule
 
 
+def _permutation_of(value: tuple, rank: int, of: str) -> Optional[str]:
+    return None if sorted(value) == list(range(rank)) else f"is not a permutation of the {rank} axes of the {of}"
+
+
 def _permutation(value: tuple, shapes: _Shapes) -> Optional[str]:
-    if sorted(value) != list(range(shapes.rank)):
-        return f"is not a permutation of the {shapes.rank} axes of the operand"
-    return None
+    return _permutation_of(value, shapes.rank, "operand")
 
 
 def _result_permutation(value: tuple, shapes: _Shapes) -> Optional[str]:
     """A permutation of the result's axes (``view_permute`` permutes the viewed shape, whose
     rank is the result's, not the operand's)."""
-    rank = len(shapes.result or ())
-    if sorted(value) != list(range(rank)):
-        return f"is not a permutation of the {rank} axes of the result"
-    return None
+    return _permutation_of(value, len(shapes.result or ()), "result")
 
 
 def _split_heads_shape(value: tuple, shapes: _Shapes) -> Optional[str]:
