@@ -1,0 +1,1 @@
+"""Serving: requests, sampling, the engine and the OpenAI-compatible server."""
