@@ -144,7 +144,7 @@ def check_mlx_device(wheels: bool) -> str:
 
 
 def bench_mlx_pte(program, prompt: list[int], n: int, capacity: int, capture: bool) -> Rates:
-    from mlx_pte.interpreter import Session, generate
+    from mlx_pte import Session, generate
 
     def session():
         return Session(program, capacity=capacity, kv_dtype="bfloat16", capture=capture)
@@ -175,7 +175,7 @@ def profile_mlx_pte(program, prompt: list[int], n: int, capacity: int, top: int,
     import cProfile
     import pstats
 
-    from mlx_pte.interpreter import Session, generate
+    from mlx_pte import Session, generate
 
     def run():
         session = Session(program, capacity=capacity, kv_dtype="bfloat16", capture=capture)
@@ -318,7 +318,7 @@ def main() -> None:
     if args.batches:
         run_batched(args, model_dir, ptes)
         return
-    from mlx_pte.interpreter import load
+    from mlx_pte import load
 
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     prompt = np.random.default_rng(0).integers(0, vocab, args.prompt).tolist()

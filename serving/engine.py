@@ -35,11 +35,13 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Callable, Iterator, Optional, Sequence, Union
 
-from mlx_pte.runtime.cache import KIND_BATCHED_CELL, KIND_BATCHED_SEQUENCE, Step
+from mlx_pte.runtime.cache import KIND_BATCHED_CELL, KIND_BATCHED_SEQUENCE, Step, footprint, sample_share
 
 from .sampling import SamplingParams
 from .stops import StopStringError, StopStrings, StopText
-from .text import IncrementalDecoder, TextCodec
+from mlx_pte.interpreter.text import TextCodec
+
+from .detokenizer import IncrementalDecoder
 
 if TYPE_CHECKING:
     import mlx.core as mx
@@ -47,6 +49,8 @@ if TYPE_CHECKING:
     from .device_sampling import TokenStream
 
 BATCHED_KINDS = (KIND_BATCHED_SEQUENCE, KIND_BATCHED_CELL)
+# open_engine's default capacity, in full contexts: room for a few long requests at once.
+DEFAULT_CAPACITY_CONTEXTS = 4
 
 
 class EngineError(ValueError):
@@ -400,16 +404,6 @@ class _InFlight:
     dispatched: float
 
 
-def footprint(kind: str, prompt_len: int, n: int, final_len: int) -> int:
-    """Capacity units ``n`` samples of a prompt hold once each reaches ``final_len``.
-
-    A sequence layout charges every fork its prefix; cells are shared by forks.
-    """
-    if kind == KIND_BATCHED_CELL:
-        return prompt_len + n * (final_len - prompt_len)
-    return n * final_len
-
-
 class Engine:
     """Continuous batching of generation requests over one batched cache.
 
@@ -439,7 +433,7 @@ class Engine:
         # Imported here so that building requests (and the server's parsing and command
         # line) does not load MLX.
         from . import device_sampling
-        from .session import Session
+        from mlx_pte.interpreter.session import Session
 
         self._sampling = device_sampling
 
@@ -540,11 +534,7 @@ class Engine:
         if self.max_seqs is not None and n > self.max_seqs:
             raise RequestRejected(f"{n} samples need {n} sequences, the cache allows {self.max_seqs}; lower n")
         # Each sample's fair share of the cache, so n samples never outgrow it together.
-        if self.kind == KIND_BATCHED_CELL:
-            share = prompt_len + (self.capacity - prompt_len) // n
-        else:
-            share = self.capacity // n
-        cap = min(self.max_context, share)
+        cap = min(self.max_context, sample_share(self.kind, self.capacity, prompt_len, n))
         if prompt_len + 1 > cap:
             raise RequestRejected(
                 f"the prompt has {prompt_len} tokens, but each of its {n} sample(s) may hold at most "
@@ -952,3 +942,17 @@ def _seeded(params: SamplingParams, index: int) -> SamplingParams:
     if params.seed is None or index == 0:
         return params
     return dataclasses.replace(params, seed=params.seed + index)
+
+
+def open_engine(model: str, kind: str, capacity: Optional[int] = None, max_batch_tokens: Optional[int] = None,
+                max_seqs: Optional[int] = None, kv_dtype: Optional[str] = None,
+                tokenizer: Optional[str] = None) -> Engine:
+    """An engine over the program in the .pte file ``model`` (tokenizer: see ``load``);
+    capacity defaults to room for a few full-context requests at once."""
+    from mlx_pte.interpreter.program import load
+
+    program = load(model, tokenizer=tokenizer)
+    if capacity is None:
+        capacity = DEFAULT_CAPACITY_CONTEXTS * int(program.manifest["max_context"])
+    return Engine(program, kind, capacity=capacity, max_batch_tokens=max_batch_tokens, max_seqs=max_seqs,
+                  kv_dtype=kv_dtype)

@@ -12,11 +12,11 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from mlx_pte.interpreter.engine import Engine
-from mlx_pte.interpreter.server import create_app
+from mlx_pte.serving.engine import Engine
+from mlx_pte.serving.app import create_app
 from mlx_pte.interpreter.text import TextCodec
 from mlx_pte.ir.manifest import Manifest
-from tests.interpreter.live_server import serving
+from tests.serving.live_server import serving
 
 
 MODEL = "tiny-llama"

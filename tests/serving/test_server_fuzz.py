@@ -12,9 +12,9 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from mlx_pte.interpreter.engine import Engine
-from mlx_pte.interpreter.server import create_app
-from tests.interpreter.live_server import serving
+from mlx_pte.serving.engine import Engine
+from mlx_pte.serving.app import create_app
+from tests.serving.live_server import serving
 
 TIMEOUT = 60.0
 NORMAL = {"prompt": "x", "max_tokens": 1}
