@@ -15,11 +15,6 @@ from dataclasses import dataclass
 import mlx_pte.runtime.mlx.blas  # noqa: F401  (before mlx.core: fast BLAS)
 import mlx.core as mx
 
-# OpenAI's bounds: chat's top_logprobs, and legacy completions' logprobs.
-MAX_TOP_LOGPROBS = 20
-MAX_COMPLETION_LOGPROBS = 5
-
-
 @dataclass(frozen=True)
 class TokenLogprob:
     """The drawn token's log-probability and the ``top`` most likely tokens, most likely first."""

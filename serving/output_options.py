@@ -11,11 +11,16 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any, Mapping, Optional, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Protocol, Sequence
 
 from .grammar import Grammar, GrammarError
-from .logprobs import MAX_COMPLETION_LOGPROBS, MAX_TOP_LOGPROBS, TokenLogprob
 
+if TYPE_CHECKING:
+    from .logprobs import TokenLogprob
+
+# OpenAI's bounds: chat's top_logprobs, and legacy completions' logprobs.
+MAX_TOP_LOGPROBS = 20
+MAX_COMPLETION_LOGPROBS = 5
 # What OpenAI reports for a token the model cannot take (JSON has no -inf).
 FLOOR_LOGPROB = -9999.0
 _SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -113,7 +118,7 @@ def _entry(vocabulary: TokenBytes, token: int, logprob: float) -> dict:
     return {"token": raw.decode("utf-8", errors="replace"), "logprob": _finite(logprob), "bytes": list(raw)}
 
 
-def chat_logprobs(records: Sequence[TokenLogprob], vocabulary: TokenBytes) -> dict:
+def chat_logprobs(records: Sequence["TokenLogprob"], vocabulary: TokenBytes) -> dict:
     """A chat choice's (or delta's) ``logprobs`` object."""
     content = []
     for record in records:
@@ -123,7 +128,7 @@ def chat_logprobs(records: Sequence[TokenLogprob], vocabulary: TokenBytes) -> di
     return {"content": content, "refusal": None}
 
 
-def completion_logprobs(records: Sequence[TokenLogprob], vocabulary: TokenBytes, before: bytes = b"") -> dict:
+def completion_logprobs(records: Sequence["TokenLogprob"], vocabulary: TokenBytes, before: bytes = b"") -> dict:
     """A legacy completion choice's ``logprobs`` object. ``text_offset`` is where each
     token's text starts in the choice's text; ``before``: the bytes of the choice's
     earlier tokens (a stream's earlier chunks)."""
