@@ -103,7 +103,13 @@ def create_app(engine: Engine, model_id: str, limits: BodyLimits = BodyLimits())
         if isinstance(body, dict) and body.get("model") not in (None, model_id):
             raise ApiError(404, f"the model {str(body['model'])[:100]!r} does not exist; this server serves "
                                 f"{model_id!r}", "model", "model_not_found")
-        return parse_request(body, engine, chat)
+        parsed = parse_request(body, engine, chat)
+        if parsed.request.logprobs is not None:
+            try:  # built here on first use (a fraction of a second), not on the event loop
+                engine.vocabulary()
+            except EngineError as exc:
+                raise ApiError(400, str(exc), "logprobs") from None
+        return parsed
 
     async def run(http: HttpRequest, chat: bool):
         try:
@@ -112,11 +118,12 @@ def create_app(engine: Engine, model_id: str, limits: BodyLimits = BodyLimits())
             return _error_response(ApiError(exc.status, str(exc), code=exc.code), close=True)
         parsed = await run_in_threadpool(parse, raw, chat)
         listener = _Listener(parsed.request.n)
+        vocabulary = engine.vocabulary() if parsed.request.logprobs is not None else None  # built by parse
         try:
             handle = engine.submit(parsed.request, on_event=listener)
         except EngineError as exc:  # malformed, or can never fit this engine
             raise ApiError(400, str(exc)) from None
-        reply = Reply.new(model_id, chat)
+        reply = Reply.new(model_id, chat, vocabulary)
         if not parsed.stream:
             try:
                 if not await _until_done_or_gone(listener, http.receive):
@@ -132,9 +139,15 @@ def create_app(engine: Engine, model_id: str, limits: BodyLimits = BodyLimits())
                 if chat:
                     for i in range(parsed.request.n):
                         yield sse(reply.chunk(i, None, role=True))
+                seen: dict[int, bytes] = {}  # each choice's token bytes so far (logprobs' text offsets)
                 async for event in listener.events():
-                    if event.text or event.finish_reason:
-                        yield sse(reply.chunk(event.index, event.text, event.finish_reason))
+                    records = (event.logprob,) if event.logprob is not None else ()
+                    if event.text or event.finish_reason or records:
+                        before = seen.get(event.index, b"")
+                        yield sse(reply.chunk(event.index, event.text, event.finish_reason,
+                                              logprobs=records, before=before))
+                        if records and vocabulary is not None:
+                            seen[event.index] = before + vocabulary.token_bytes(event.logprob.token)
                 if parsed.include_usage:
                     yield sse(reply.usage_chunk(handle.result(timeout=0)))
             except ApiError as exc:

@@ -37,6 +37,7 @@ whitespace), so a model cannot pad its output with whitespace forever.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 from dataclasses import dataclass
@@ -63,6 +64,18 @@ def _llguidance():
             "structured output needs llguidance: pip install 'mlx-pte[serve]' (or pip install llguidance)"
         ) from None
     return llguidance
+
+
+@contextlib.contextmanager
+def _engine_errors(what: str):
+    """llguidance's Rust panics arrive as pyo3's PanicException, a BaseException that
+    would get past every ``except Exception``: they become GrammarErrors."""
+    try:
+        yield
+    except BaseException as exc:
+        if type(exc).__name__ != "PanicException":
+            raise
+        raise GrammarError(f"{what}: the grammar engine failed ({exc})") from None
 
 
 def mask_words(vocab_size: int) -> int:
@@ -96,7 +109,8 @@ class Grammar:
             raise GrammarError(f"the JSON schema is not JSON: {exc}") from None
         llg = _llguidance()
         try:
-            serialized = llg.LLMatcher.grammar_from_json_schema(text, overrides=_JSON_LAYOUT)
+            with _engine_errors("the JSON schema cannot be used"):
+                serialized = llg.LLMatcher.grammar_from_json_schema(text, overrides=_JSON_LAYOUT)
         except ValueError as exc:
             raise GrammarError(f"the JSON schema cannot be used: {exc}") from None
         return cls._checked(serialized, "the JSON schema")
@@ -118,7 +132,8 @@ class Grammar:
 
     @classmethod
     def _checked(cls, serialized: str, description: str) -> "Grammar":
-        error = _llguidance().LLMatcher.validate_grammar(serialized, None)
+        with _engine_errors(f"{description} cannot be used"):
+            error = _llguidance().LLMatcher.validate_grammar(serialized, None)
         if error:
             raise GrammarError(f"{description} cannot be used: {error.strip()}")
         return cls(serialized, description)
@@ -163,7 +178,8 @@ class TokenVocabulary:
         Raises:
             GrammarError: the grammar does not compile against this vocabulary.
         """
-        inner = self._llg.LLMatcher(self._tokenizer, grammar.serialized, log_level=0)
+        with _engine_errors(f"{grammar.description} cannot be used"):
+            inner = self._llg.LLMatcher(self._tokenizer, grammar.serialized, log_level=0)
         if inner.is_error():
             raise GrammarError(f"{grammar.description} cannot be used: {inner.get_error()}")
         return Matcher(inner, self.vocab_size)
@@ -184,13 +200,16 @@ class Matcher:
         """Write the allowed next tokens into ``row`` (C-contiguous int32 ``[mask_words(V)]``)."""
         if row.dtype != np.int32 or row.shape != (mask_words(self.vocab_size),) or not row.flags.c_contiguous:
             raise ValueError(f"a mask row is C-contiguous int32 of shape ({mask_words(self.vocab_size)},)")
-        self._inner.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+        with _engine_errors("the grammar failed"):
+            self._inner.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
         if self._inner.is_error():
             raise GrammarError(f"the grammar failed: {self._inner.get_error()}")
 
     def consume(self, token: int) -> None:
         """Advance by ``token``. Raises GrammarError if the grammar does not allow it."""
-        if not self._inner.consume_token(token):
+        with _engine_errors(f"token {token} could not be taken"):
+            taken = self._inner.consume_token(token)
+        if not taken:
             raise GrammarError(f"token {token} is not allowed here: {self._inner.get_error()}")
 
     @property

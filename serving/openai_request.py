@@ -11,6 +11,7 @@ from typing import Any, Mapping, Optional
 from mlx_pte.interpreter.text import TokenizerMissing
 
 from .engine import Engine, EngineError, Request
+from .output_options import OptionError, parse_logprobs, parse_response_format
 from .request_body import BodyError, check_value
 from .sampling import SamplingError, SamplingParams
 from .stops import StopStringError, StopStrings
@@ -18,7 +19,7 @@ from .stops import StopStringError, StopStrings
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions
 DEFAULT_CHAT_TOKENS = 256
 # Parameters this server cannot honour: a request asking for them is refused, not ignored.
-UNSUPPORTED = ("logprobs", "top_logprobs", "echo", "logit_bias", "tools", "functions", "suffix")
+UNSUPPORTED = ("echo", "logit_bias", "tools", "functions", "suffix")
 PENALTIES = ("presence_penalty", "frequency_penalty")
 
 
@@ -169,6 +170,11 @@ def parse_request(body: Any, engine: Engine, chat: bool) -> ApiRequest:
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise ApiError(400, "'stream_options' must be an object", "stream_options")
+    try:
+        grammar = parse_response_format(body.get("response_format"))
+        logprobs = parse_logprobs(body, chat)
+    except OptionError as exc:
+        raise ApiError(400, str(exc), exc.param) from None
     request = Request(
         prompt=ids,
         max_tokens=max_tokens,
@@ -176,6 +182,8 @@ def parse_request(body: Any, engine: Engine, chat: bool) -> ApiRequest:
         stop=_stops(body),
         n=_number(body, "n", 1, int, 1),
         ignore_eos=ignore_eos,
+        grammar=grammar,
+        logprobs=logprobs,
     )
     return ApiRequest(request, stream, bool(options.get("include_usage")))
 

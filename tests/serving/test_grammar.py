@@ -100,6 +100,12 @@ def test_grammars_the_engine_cannot_use_are_errors_naming_the_problem(build, mes
         build()
 
 
+def test_a_panic_inside_the_engine_is_a_grammar_error():
+    # llguidance 1.9 panics cutting its error message inside a character (byte 100 here).
+    with pytest.raises(GrammarError, match="the JSON schema cannot be used"):
+        Grammar.json_schema({"minLength": "a" * 96 + "é" * 5})
+
+
 def _walk(vocabulary, matcher, rng, limit=600) -> list[int]:
     """Uniformly random allowed tokens until eos (or the grammar is done); eos is never
     part of the returned tokens."""
