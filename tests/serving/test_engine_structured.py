@@ -11,69 +11,14 @@ import json
 import jsonschema
 import numpy as np
 import pytest
-import torch
 
+from mlx_pte.serving.engine import Engine, Request
 from mlx_pte.serving.grammar import Grammar, TokenVocabulary, masks
 from mlx_pte.serving.logprobs import TokenLogprob
-from tests.fixtures.tiny_models import EOS_ID, VOCAB_SIZE
-from mlx_pte.serving.engine import Engine, Request
 from mlx_pte.serving.sampling import SamplingParams
-
-SCHEMAS = [
-    {
-        "type": "object",
-        "properties": {
-            "name": {"type": "string", "maxLength": 8},
-            "age": {"type": "integer", "minimum": 0, "maximum": 120},
-            "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "maxItems": 3},
-        },
-        "required": ["name", "age", "tags"],
-        "additionalProperties": False,
-    },
-    {
-        "type": "object",
-        "properties": {
-            "order": {
-                "type": "object",
-                "properties": {
-                    "id": {"type": "integer", "minimum": 1, "maximum": 9999},
-                    "items": {
-                        "type": "array",
-                        "items": {
-                            "type": "object",
-                            "properties": {"sku": {"type": "string", "maxLength": 5},
-                                           "qty": {"type": "integer", "minimum": 1, "maximum": 9}},
-                            "required": ["sku", "qty"],
-                            "additionalProperties": False,
-                        },
-                        "minItems": 1,
-                        "maxItems": 2,
-                    },
-                },
-                "required": ["id", "items"],
-                "additionalProperties": False,
-            },
-            "status": {"enum": ["pending", "shipped"]},
-        },
-        "required": ["order", "status"],
-        "additionalProperties": False,
-    },
-    {"type": "array", "items": {"type": "boolean"}, "minItems": 2, "maxItems": 4},
-]
-
-
-@pytest.fixture(scope="module")
-def hf_model(tiny_checkpoint):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(tiny_checkpoint("llama"), dtype=torch.float32).eval()
-
-
-def hf_logprobs(hf_model, ids: list[int]) -> np.ndarray:
-    """log-softmax of HF's logits at every position of ``ids`` (float64)."""
-    with torch.no_grad():
-        logits = hf_model(torch.tensor([ids])).logits[0].double()
-    return torch.log_softmax(logits, dim=-1).numpy()
+from tests.fixtures.json_schemas import SCHEMAS
+from tests.fixtures.reference_logprobs import hf_logprobs, hf_model  # noqa: F401  (a fixture)
+from tests.fixtures.tiny_models import EOS_ID, VOCAB_SIZE
 
 
 @pytest.fixture
