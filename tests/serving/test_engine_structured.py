@@ -11,12 +11,14 @@ import json
 import jsonschema
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from mlx_pte.serving.engine import Engine, Request
 from mlx_pte.serving.grammar import Grammar, TokenVocabulary, masks
 from mlx_pte.serving.logprobs import TokenLogprob
 from mlx_pte.serving.sampling import SamplingParams
-from tests.fixtures.json_schemas import SCHEMAS
+from tests.fixtures.json_schemas import SCHEMAS, short_schemas
 from tests.fixtures.reference_logprobs import hf_logprobs, hf_model  # noqa: F401  (a fixture)
 from tests.fixtures.tiny_models import EOS_ID, VOCAB_SIZE
 
@@ -72,6 +74,17 @@ def test_constrained_and_free_requests_share_batches(engine, oracle, tiny_tokeni
     for request, completion in zip(free, results[2:4]):
         assert completion.samples[0].tokens == oracle(request.prompt, 12).tokens
     for completion, schema in zip(results[:2] + results[4:], SCHEMAS):
+        (sample,) = completion.samples
+        assert sample.finish_reason == "stop"
+        jsonschema.validate(json.loads(sample.text), schema)
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(schemas=st.lists(short_schemas, min_size=1, max_size=3), seed=st.integers(0, 2**16))
+def test_replies_to_generated_schemas_validate(engine, tiny_tokenizer, schemas, seed):
+    requests = [Request(tiny_tokenizer.encode(f"item {i}:"), max_tokens=200, grammar=Grammar.json_schema(schema),
+                        sampling=SamplingParams(temperature=1.0, seed=seed + i)) for i, schema in enumerate(schemas)]
+    for completion, schema in zip(run(engine, *requests), schemas):
         (sample,) = completion.samples
         assert sample.finish_reason == "stop"
         jsonschema.validate(json.loads(sample.text), schema)

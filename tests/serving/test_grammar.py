@@ -21,6 +21,7 @@ import mlx.core as mx
 
 from mlx_pte.serving.grammar import Grammar, GrammarError, TokenVocabulary, json_schema_rule, mask_words, masks
 from mlx_pte.serving.token_masks import apply_masks
+from tests.fixtures.json_schemas import short_schemas
 from tests.fixtures.tiny_models import EOS_ID, VOCAB_SIZE
 
 
@@ -124,34 +125,8 @@ def _walk(vocabulary, matcher, rng, limit=600) -> list[int]:
     raise AssertionError(f"no end after {limit} tokens")
 
 
-# Schemas whose every instance is short: strings and arrays bounded, integers in a range,
-# so a random walk ends.
-_leaf = st.one_of(
-    st.builds(lambda n: {"type": "string", "maxLength": n}, st.integers(0, 6)),
-    st.builds(lambda lo, span: {"type": "integer", "minimum": lo, "maximum": lo + span},
-              st.integers(-50, 50), st.integers(0, 100)),
-    st.just({"type": "boolean"}),
-    st.just({"type": "null"}),
-    st.builds(lambda vs: {"enum": vs}, st.lists(st.sampled_from(["red", "green", "blue", 3, None]),
-                                                min_size=1, max_size=3, unique=True)),
-)
-_schemas = st.recursive(
-    _leaf,
-    lambda inner: st.one_of(
-        st.builds(lambda item, n: {"type": "array", "items": item, "maxItems": n}, inner, st.integers(0, 3)),
-        st.dictionaries(st.sampled_from(["id", "name", "tags", "kind", "child"]), inner, min_size=1, max_size=3)
-        .flatmap(lambda props: st.builds(
-            lambda required: {"type": "object", "properties": props, "required": sorted(required),
-                              "additionalProperties": False},
-            st.sets(st.sampled_from(sorted(props))),
-        )),
-    ),
-    max_leaves=6,
-)
-
-
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(schema=_schemas, seed=st.integers(0, 2**32 - 1))
+@given(schema=short_schemas, seed=st.integers(0, 2**32 - 1))
 def test_random_walks_over_a_schema_end_in_valid_instances(vocabulary, tiny_tokenizer, schema, seed):
     matcher = vocabulary.matcher(Grammar.json_schema(schema))
     tokens = _walk(vocabulary, matcher, np.random.default_rng(seed))
