@@ -104,11 +104,13 @@ def create_app(engine: Engine, model_id: str, limits: BodyLimits = BodyLimits())
             raise ApiError(404, f"the model {str(body['model'])[:100]!r} does not exist; this server serves "
                                 f"{model_id!r}", "model", "model_not_found")
         parsed = parse_request(body, engine, chat)
-        if parsed.request.logprobs is not None:
-            try:  # built here on first use (a fraction of a second), not on the event loop
+        needs = ("response_format" if parsed.request.grammar is not None
+                 else "logprobs" if parsed.request.logprobs is not None else None)
+        if needs:  # the grammar engine's vocabulary: built here on first use (~0.3 s), not on the event loop
+            try:
                 engine.vocabulary()
             except EngineError as exc:
-                raise ApiError(400, str(exc), "logprobs") from None
+                raise ApiError(400, str(exc), needs) from None
         return parsed
 
     async def run(http: HttpRequest, chat: bool):
