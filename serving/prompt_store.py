@@ -82,12 +82,16 @@ class PromptStore:
 
     def add(self, seq_id: int, tokens: Sequence[int]) -> None:
         """Keep sequence ``seq_id`` (holding ``tokens``), or release it at once if it alone
-        exceeds the budget. Entries that are prefixes of it go (it serves every prompt
-        they would), then the oldest until the budget holds."""
-        if not 0 < len(tokens) <= self.budget:
+        exceeds the budget or is a prefix of an entry (which then counts as used: it
+        serves every prompt the new one would). Entries that are prefixes of it go, then
+        the oldest until the budget holds."""
+        new = Retained(seq_id, np.asarray(tokens, dtype=np.int64))
+        longer = next((e for e in self._entries.values() if _is_prefix(new.tokens, e.tokens)), None)
+        if longer is not None or not 0 < len(new) <= self.budget:
+            if longer is not None:
+                self.touch(longer)
             self._release(seq_id)
             return
-        new = Retained(seq_id, np.asarray(tokens, dtype=np.int64))
         for old in [e for e in self._entries.values() if _is_prefix(e.tokens, new.tokens)]:
             self._drop(old)
         self._entries[seq_id] = new
