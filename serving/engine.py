@@ -42,14 +42,14 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Callable, Iterator, Optional, Sequence, Union
 
-from mlx_pte.runtime.cache import KIND_BATCHED_CELL, KIND_BATCHED_SEQUENCE, Step, footprint, sample_share
+from mlx_pte.runtime.cache import KIND_BATCHED_CELL, KIND_BATCHED_SEQUENCE, Step, Verdict, footprint, sample_share
 
 from .sampling import SamplingParams
 from .stops import StopStringError, StopStrings, StopText
 from mlx_pte.interpreter.text import TextCodec
 
 from .detokenizer import IncrementalDecoder
-from .prompt_store import PromptStore
+from .prompt_store import PromptStore, Retained
 
 if TYPE_CHECKING:
     import mlx.core as mx
@@ -748,7 +748,7 @@ class Engine:
         job.handle.waiting_reason = reason
         return False
 
-    def _check_first_chunk(self, build: _StepBuild, job: _Job, seq_id: int):
+    def _check_first_chunk(self, build: _StepBuild, job: _Job, seq_id: int) -> Verdict:
         return self.cache.check_step(build.with_prompt_chunk(seq_id, job.fed, self._chunk_len(job, build)))
 
     def _open_sequence(self, job: _Job) -> int:
@@ -768,7 +768,7 @@ class Engine:
         self._shrink_store(job.footprint, len(job.samples))
         return seq_id if seq_id is not None else self.cache.seq_new()
 
-    def _shrink_store(self, units: int = 0, seqs: int = 0, keep=None) -> None:
+    def _shrink_store(self, units: int = 0, seqs: int = 0, keep: Optional[Retained] = None) -> None:
         """Evict retained sequences (least recently used first, ``keep`` spared) until they
         fit beside the running requests' reservations plus ``units`` capacity units and
         ``seqs`` sequences more."""

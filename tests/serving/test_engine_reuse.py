@@ -175,3 +175,23 @@ def test_zero_disables_the_store_and_bad_budgets_are_refused(programs):
     for bad in (-1, 1.5, True):
         with pytest.raises(EngineError, match="prompt_cache_tokens"):
             Engine(programs("llama"), "batched-cell", capacity=600, prompt_cache_tokens=bad)
+
+
+@pytest.mark.parametrize("family", ("llama", "gemma3"))
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_sample_stopped_a_step_late_is_retained_as_the_caller_saw_it(programs, oracle, kind, family):
+    # A stop token is read after the next step fed it: the sequence holds one position
+    # the caller never saw, which must be rewound before the sequence is kept.
+    engine = Engine(programs(family), kind, capacity=600, max_batch_tokens=32, prompt_cache_tokens=600)
+    prompt = SYSTEM + [9]
+    cold = oracle(prompt, 20, family=family).tokens
+    stop = cold[5]
+    (first,) = run(engine, Request(prompt, max_tokens=20, stop_ids=(stop,), ignore_eos=True))
+    seen = first.result(timeout=0).samples[0].tokens
+    assert seen == cold[: cold.index(stop) + 1]
+    assert [list(e.tokens) for e in engine.prompt_store] == [prompt + seen]
+    extended = prompt + seen + [10, 11]
+    (second,) = run(engine, greedy(extended))
+    assert_cold(oracle, family, extended, second)
+    assert second.stats.cached_tokens == len(prompt + seen)
+    check_store(engine)
