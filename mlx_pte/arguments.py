@@ -73,6 +73,12 @@ def add_batching_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-batch-tokens", type=positive_int, default=None,
                         help="most tokens per forward (default: the model's max step)")
     parser.add_argument("--max-seqs", type=positive_int, default=None, help="most live sequences")
+    parser.add_argument(
+        "--prompt-cache-tokens", type=non_negative_int, default=None, metavar="N",
+        help="keep finished requests' sequences in the cache, up to N tokens, so that prompts sharing "
+        "their prefix (a conversation's next turn) skip recomputing it; they use only room no request "
+        "has reserved and are evicted first (least recently used). 0 disables; default: the capacity",
+    )
 
 
 def add_tokenizer_argument(parser: argparse.ArgumentParser) -> None:

@@ -358,7 +358,7 @@ def run_prompts(args: argparse.Namespace) -> int:
     from mlx_pte.serving.prompts_file import run_prompts_file
 
     engine = open_engine(args.model, args.cache or KIND_BATCHED_SEQUENCE, args.capacity, args.max_batch_tokens, args.max_seqs, args.kv_dtype,
-                         args.tokenizer)
+                         args.tokenizer, args.prompt_cache_tokens)
     defaults = {"max_tokens": args.max_new_tokens, "temperature": args.temperature, "top_k": args.top_k,
                 "top_p": args.top_p, "seed": args.seed}
     run_prompts_file(engine, Path(args.prompts), {k: v for k, v in defaults.items() if v is not None})
@@ -380,7 +380,7 @@ def serve_command(parser: argparse.ArgumentParser) -> Handler:
         from mlx_pte.serving.request_body import BodyLimits
 
         engine = open_engine(args.model, args.cache, args.capacity, args.max_batch_tokens, args.max_seqs,
-                             args.kv_dtype, args.tokenizer)
+                             args.kv_dtype, args.tokenizer, args.prompt_cache_tokens)
         serve(engine, args.model_id or Path(args.model).stem, args.host, args.port,
               BodyLimits(args.max_body_bytes, args.body_timeout), args.header_timeout, args.keep_alive)
         return 0

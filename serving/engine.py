@@ -11,6 +11,13 @@ budget. So a running sample always has room for its next token and a place in th
 step, and the engine never has to preempt; the cache's own ``check_step`` is the final
 gate for every request it admits. A request that could never fit is refused at submit.
 
+With a prompt store (``prompt_cache_tokens``), a finished request's sequences stay in the
+cache, keyed by the tokens they hold; a later prompt sharing a prefix with one forks it
+(``seq_clone``) and prefills only the rest. Retained sequences use only room that admitted
+requests have not reserved: admission evicts them, least recently used first, before a
+request would have to wait, so whether and when a request starts is decided as without
+the store.
+
 ``n > 1`` samples of one prompt prefill once; right after the prefill the sequence is
 forked (``seq_clone``) once per extra sample, each sample drawing from the same last-row
 logits with its own key chain (seeds ``seed, seed + 1, ...``).
@@ -45,7 +52,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Callable, Iterator, Optional, Sequence, Union
 
-from mlx_pte.runtime.cache import KIND_BATCHED_CELL, KIND_BATCHED_SEQUENCE, Step, footprint, sample_share
+from mlx_pte.runtime.cache import KIND_BATCHED_CELL, KIND_BATCHED_SEQUENCE, Step, Verdict, footprint, sample_share
 
 from .output_options import MAX_TOP_LOGPROBS
 from .sampling import SamplingParams
@@ -53,6 +60,7 @@ from .stops import StopStringError, StopStrings, StopText
 from mlx_pte.interpreter.text import TextCodec
 
 from .detokenizer import IncrementalDecoder
+from .prompt_store import PromptStore, Retained
 
 if TYPE_CHECKING:
     import mlx.core as mx
@@ -151,6 +159,7 @@ class RequestStats:
     finished: Optional[float] = None
     generated_tokens: int = 0  # over all samples
     decoded_tokens: int = 0  # produced by decode steps: all but each sample's first
+    cached_tokens: int = 0  # leading prompt tokens forked from a retained sequence, not computed
 
     @property
     def queue_seconds(self) -> float:
@@ -158,9 +167,10 @@ class RequestStats:
 
     @property
     def prefill_tps(self) -> float:
+        """Prompt tokens computed per second (cached ones excluded)."""
         if self.admitted is None or self.first_token is None or self.first_token <= self.admitted:
             return 0.0
-        return self.prompt_tokens / (self.first_token - self.admitted)
+        return (self.prompt_tokens - self.cached_tokens) / (self.first_token - self.admitted)
 
     @property
     def decode_tps(self) -> float:
@@ -200,6 +210,8 @@ class EngineStats:
     decode_steps: int = 0
     decode_tokens: int = 0
     decode_seconds: float = 0.0
+    prefix_hits: int = 0  # requests that forked a retained sequence
+    cached_tokens: int = 0  # prompt tokens those forks saved computing
 
     @property
     def decode_tps(self) -> float:
@@ -335,7 +347,9 @@ class _Job:
     cap: int  # the most positions each sample's sequence may hold
     footprint: int  # reserved capacity units
     samples: list[_Sample]
-    fed: int = 0  # prompt tokens prefilled
+    fed: int = 0  # prompt tokens in its sequence (forked or prefilled)
+    # Finished samples' sequences with the tokens they hold, kept until the job ends.
+    finished: list[tuple[int, list[int]]] = field(default_factory=list)
 
     @property
     def prompt_len(self) -> int:
@@ -413,9 +427,10 @@ class _StepBuild:
     def prefill_tokens(self) -> int:
         return sum(count for _, count in self.chunks)
 
-    def with_prompt_chunk(self, seq_id: int, count: int) -> Step:
-        """This step plus the first ``count`` prompt tokens of a new sequence."""
-        return Step(tuple(self.seq_ids) + (seq_id,) * count, tuple(self.positions) + tuple(range(count)))
+    def with_prompt_chunk(self, seq_id: int, start: int, count: int) -> Step:
+        """This step plus ``count`` prompt tokens of a newly admitted sequence from ``start``."""
+        return Step(tuple(self.seq_ids) + (seq_id,) * count,
+                    tuple(self.positions) + tuple(range(start, start + count)))
 
 
 @dataclass
@@ -459,6 +474,9 @@ class Engine:
             max step); also bounds how many samples decode at once.
         max_seqs: the most live cache sequences.
         kv_dtype, initial_capacity: passed to the cache (see Session).
+        prompt_cache_tokens: the most tokens finished requests' sequences keep in the cache
+            for later prompts to fork (0, the default here, keeps none; ``open_engine``
+            defaults to the capacity). They use only room no request has reserved.
     """
 
     def __init__(
@@ -470,9 +488,12 @@ class Engine:
         max_seqs: Optional[int] = None,
         kv_dtype: Optional[str] = None,
         initial_capacity: int = 512,
+        prompt_cache_tokens: int = 0,
     ) -> None:
         if kind not in BATCHED_KINDS:
             raise EngineError(f"the engine batches over {' or '.join(BATCHED_KINDS)}, not {kind!r}")
+        if isinstance(prompt_cache_tokens, bool) or not isinstance(prompt_cache_tokens, int) or prompt_cache_tokens < 0:
+            raise EngineError(f"prompt_cache_tokens must be an integer >= 0, got {prompt_cache_tokens!r}")
         # Imported here so that building requests (and the server's parsing and command
         # line) does not load MLX.
         from . import device_sampling
@@ -499,6 +520,7 @@ class Engine:
         self.codec = TextCodec(manifest) if manifest.tokenizer else None
         self._manifest = manifest
         self.stats = EngineStats()
+        self.prompt_store = PromptStore(prompt_cache_tokens, self.cache.seq_rm)
 
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
@@ -770,22 +792,65 @@ class Engine:
                 f"requests have reserved {self._reserved}; it starts when some finish"
             )
         if reason is None:
-            seq_id = self.cache.seq_new()
-            verdict = self.cache.check_step(build.with_prompt_chunk(seq_id, self._chunk_len(job, build)))
+            seq_id = self._open_sequence(job)
+            verdict = self._check_first_chunk(build, job, seq_id)
+            if not verdict and (job.fed or len(self.prompt_store)):
+                # Retained prompts never cost a request its start: retry as without them.
+                self.cache.seq_rm(seq_id)
+                self.prompt_store.clear()
+                job.fed = 0
+                seq_id = self.cache.seq_new()
+                verdict = self._check_first_chunk(build, job, seq_id)
             if verdict:
                 job.samples[0].seq_id = seq_id
+                job.samples[0].length = job.fed
                 self._active.append(job)
                 self._reserved += job.footprint
                 self._slots += n
                 job.handle.status = Status.PREFILL
                 job.handle.waiting_reason = None
                 job.handle.stats.admitted = time.perf_counter()
+                if job.fed:
+                    job.handle.stats.cached_tokens = job.fed
+                    self.stats.prefix_hits += 1
+                    self.stats.cached_tokens += job.fed
                 self._add_chunk(build, job, seq_id)
                 return True
             self.cache.seq_rm(seq_id)
+            job.fed = 0
             reason = verdict.reason
         job.handle.waiting_reason = reason
         return False
+
+    def _check_first_chunk(self, build: _StepBuild, job: _Job, seq_id: int) -> Verdict:
+        return self.cache.check_step(build.with_prompt_chunk(seq_id, job.fed, self._chunk_len(job, build)))
+
+    def _open_sequence(self, job: _Job) -> int:
+        """The sequence ``job``'s prompt starts in: a fork of the retained sequence sharing
+        its longest prefix, where the cache can fork (``job.fed`` set to the shared
+        length), else a new one. Retained sequences are evicted first as far as the
+        request's reservation needs; the one it forks from goes last."""
+        matches = self.prompt_store.matches(job.ids)
+        self._shrink_store(job.footprint, len(job.samples), keep=matches[0].entry if matches else None)
+        seq_id = None
+        for match in matches:
+            if match.entry in self.prompt_store and self.cache.can_clone(match.entry.seq_id, match.length):
+                seq_id = self.cache.seq_clone(match.entry.seq_id, match.length)
+                self.prompt_store.touch(match.entry)
+                job.fed = match.length
+                break
+        self._shrink_store(job.footprint, len(job.samples))
+        return seq_id if seq_id is not None else self.cache.seq_new()
+
+    def _shrink_store(self, units: int = 0, seqs: int = 0, keep: Optional[Retained] = None) -> None:
+        """Evict retained sequences (least recently used first, ``keep`` spared) until they
+        fit beside the running requests' reservations plus ``units`` capacity units and
+        ``seqs`` sequences more."""
+        store = self.prompt_store
+        while (self._reserved + units + store.tokens > self.capacity
+               or (self.max_seqs is not None and self._slots + seqs + len(store) > self.max_seqs)):
+            if not store.evict_lru(keep):
+                return
 
     def _dispatch(self, build: _StepBuild, previous: Optional[_InFlight]) -> Optional[_InFlight]:
         """Queue the step's forward and its draws on the device; None if it failed.
@@ -1060,12 +1125,16 @@ class Engine:
             sample.tokens = sample.tokens[: self._kept_tokens(sample)]
             del sample.logprobs[len(sample.tokens):]
         if sample.seq_id is not None:
-            # Keep the cache's history equal to what the caller sees, then drop it.
+            # Keep the cache's history equal to what the caller sees, then keep it for
+            # the prompt store (when the job ends) or drop it.
             kept = min(job.prompt_len + len(sample.tokens), sample.length)
             if kept < sample.length and self.cache.can_rewind(sample.seq_id, kept):
                 self.cache.rewind(sample.seq_id, kept)
                 sample.length = kept
-            self.cache.seq_rm(sample.seq_id)
+            if self.prompt_store.budget and reason != "cancelled" and sample.length == kept:
+                job.finished.append((sample.seq_id, job.ids + sample.tokens[: kept - job.prompt_len]))
+            else:
+                self.cache.seq_rm(sample.seq_id)
             sample.seq_id = None
         event = Event(job.handle.id, sample.index, text=tail, finish_reason=reason)
         if all(s.finish_reason is not None for s in job.samples):
@@ -1083,7 +1152,7 @@ class Engine:
         return 0
 
     def _complete(self, job: _Job, last: Event) -> None:
-        self._release(job)
+        self._release(job, retain=True)
         if any(s.finish_reason == "cancelled" for s in job.samples):
             job.handle._close(Status.CANCELLED, last)
             return
@@ -1104,11 +1173,20 @@ class Engine:
         self._release(job)
         job.handle._close(Status.FAILED, Event(job.handle.id, 0, error=error), error=error)
 
-    def _release(self, job: _Job) -> None:
+    def _release(self, job: _Job, retain: bool = False) -> None:
+        """Give back what ``job`` reserved; its finished sequences go to the prompt store
+        (``retain``) or are removed."""
         if job in self._active:
             self._active.remove(job)
             self._reserved -= job.footprint
             self._slots -= len(job.samples)
+        for seq_id, tokens in job.finished:
+            if retain:
+                self.prompt_store.add(seq_id, tokens)
+            else:
+                self.cache.seq_rm(seq_id)
+        job.finished.clear()
+        self._shrink_store()
 
 
 def _seeded(params: SamplingParams, index: int) -> SamplingParams:
@@ -1119,13 +1197,15 @@ def _seeded(params: SamplingParams, index: int) -> SamplingParams:
 
 def open_engine(model: str, kind: str, capacity: Optional[int] = None, max_batch_tokens: Optional[int] = None,
                 max_seqs: Optional[int] = None, kv_dtype: Optional[str] = None,
-                tokenizer: Optional[str] = None) -> Engine:
+                tokenizer: Optional[str] = None, prompt_cache_tokens: Optional[int] = None) -> Engine:
     """An engine over the program in the .pte file ``model`` (tokenizer: see ``load``);
-    capacity defaults to room for a few full-context requests at once."""
+    capacity defaults to room for a few full-context requests at once, the prompt store
+    to the whole capacity (retained prompts only use room no request has reserved)."""
     from mlx_pte.interpreter.program import load
 
     program = load(model, tokenizer=tokenizer)
     if capacity is None:
         capacity = DEFAULT_CAPACITY_CONTEXTS * int(program.manifest["max_context"])
     return Engine(program, kind, capacity=capacity, max_batch_tokens=max_batch_tokens, max_seqs=max_seqs,
-                  kv_dtype=kv_dtype)
+                  kv_dtype=kv_dtype,
+                  prompt_cache_tokens=capacity if prompt_cache_tokens is None else prompt_cache_tokens)

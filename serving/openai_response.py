@@ -78,9 +78,11 @@ class Reply:
 
 
 def usage(completion: Completion) -> dict:
+    """Token counts; ``cached_tokens``: leading prompt tokens forked from a retained prompt."""
     generated = sum(len(s.tokens) for s in completion.samples)
     return {"prompt_tokens": completion.prompt_tokens, "completion_tokens": generated,
-            "total_tokens": completion.prompt_tokens + generated}
+            "total_tokens": completion.prompt_tokens + generated,
+            "prompt_tokens_details": {"cached_tokens": completion.stats.cached_tokens}}
 
 
 def sse(payload: Any) -> str:

@@ -1,0 +1,229 @@
+"""Multi-turn chat over HTTP: mlx-pte with and without prompt reuse against mlx-lm's server.
+
+    nice -n 0 .venv/bin/python bench/multiturn.py --pte SMOLLM2.pte --hf-dir ~/.cache/mlx-pte/smollm2-135m
+
+Each server runs in its own process, one after the other, on the same checkpoint (the
+.pte is an export of the HF directory mlx-lm loads). ``--conversations`` clients talk at
+once; each sends ``--turns`` OpenAI chat requests (streamed, greedy, ``--max-tokens``, the
+same body for every server), each resending the whole history: a shared
+system prompt, the user's messages and the server's own replies. Measured: time to first
+token (first content chunk) p50/p95 over all requests and over turns 2+, aggregate
+completion tokens per second of the whole workload, prompt tokens the server reports
+as cached. mlx-pte's two runs must reply identically (greedy): the script says if not.
+
+Target (issue 11): TTFT p50 with reuse <= 0.5x without, and <= mlx-lm's.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+SYSTEM = (
+    "You are a patient assistant for a team that maintains a small Python library. "
+    "Answer in plain sentences, without lists or code unless asked. The library reads "
+    "configuration files, validates them against a schema, merges defaults, and reports "
+    "every error with the file, line and field it concerns. Its users are developers who "
+    "embed it in command-line tools and services; they care about clear messages, stable "
+    "behaviour across versions, and startup time. The maintainers prefer small modules "
+    "with one job each, type hints, dataclasses, and tests that compare against an "
+    "independent oracle. When you are unsure, say so and suggest how to find out. "
+) * 3
+OPENERS = [
+    "How should we report a missing required field?",
+    "What is a good way to merge defaults into nested sections?",
+    "How can we keep startup time low when the schema is large?",
+    "Should unknown fields be errors or warnings?",
+    "How do we test error messages without making the tests brittle?",
+    "What should happen when two files set the same field?",
+    "How can a user find which file a value came from?",
+    "How should we version the schema itself?",
+]
+FOLLOW_UPS = ["Can you give a short example?", "What are the risks of that approach?",
+              "How would you explain it to a new contributor?", "Summarize your advice in one sentence."]
+START_TIMEOUT = 600.0
+REQUEST_TIMEOUT = 600.0
+
+
+@dataclass
+class Turn:
+    conversation: int
+    turn: int
+    ttft: float
+    seconds: float
+    completion_tokens: int
+    prompt_tokens: int
+    cached_tokens: int
+    text: str
+
+
+@dataclass
+class Run:
+    name: str
+    turns: list[Turn] = field(default_factory=list)
+    wall: float = 0.0
+
+    def ttft(self, first_turn: int = 0) -> list[float]:
+        return sorted(t.ttft for t in self.turns if t.turn >= first_turn)
+
+    @property
+    def tps(self) -> float:
+        return sum(t.completion_tokens for t in self.turns) / self.wall
+
+
+def percentile(values: list[float], q: float) -> float:
+    return statistics.quantiles(values, n=100, method="inclusive")[q - 1] if len(values) > 1 else values[0]
+
+
+def chat_turn(client: httpx.Client, url: str, model: str, messages: list, max_tokens: int) -> tuple:
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    start = time.perf_counter()
+    first = None
+    pieces: list[str] = []
+    usage: dict = {}
+    with client.stream("POST", url + "/v1/chat/completions", json=body) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"{model}: HTTP {response.status_code}: {response.read()[:300]!r}")
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            payload = json.loads(line[len("data: "):])
+            if "error" in payload:
+                raise RuntimeError(f"{model}: {payload['error']}")
+            for choice in payload.get("choices") or []:
+                content = (choice.get("delta") or {}).get("content")
+                if content:
+                    first = first or time.perf_counter()
+                    pieces.append(content)
+            usage = payload.get("usage") or usage
+    done = time.perf_counter()
+    return (first or done) - start, done - start, "".join(pieces), usage
+
+
+def conversation(url: str, model: str, index: int, turns: int, max_tokens: int) -> list[Turn]:
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": OPENERS[index % len(OPENERS)]}]
+    out = []
+    with httpx.Client(timeout=REQUEST_TIMEOUT) as client:
+        for turn in range(turns):
+            ttft, seconds, text, usage = chat_turn(client, url, model, messages, max_tokens)
+            details = usage.get("prompt_tokens_details") or {}
+            out.append(Turn(index, turn, ttft, seconds, int(usage.get("completion_tokens", 0)),
+                            int(usage.get("prompt_tokens", 0)), int(details.get("cached_tokens") or 0), text))
+            messages += [{"role": "assistant", "content": text},
+                         {"role": "user", "content": FOLLOW_UPS[turn % len(FOLLOW_UPS)]}]
+    return out
+
+
+def wait_ready(url: str, process: subprocess.Popen) -> None:
+    deadline = time.monotonic() + START_TIMEOUT
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"the server exited with {process.returncode} before it was ready")
+        try:
+            if httpx.get(url + "/v1/models", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"the server at {url} was not ready after {START_TIMEOUT:.0f} s")
+
+
+def warm_up(url: str, model: str, clients: int) -> None:
+    """As many concurrent requests as the workload has clients, with long prompts unrelated
+    to it: what a server compiles or allocates per shape happens before the timing."""
+    text = " ".join(f"Item {i} of the inventory is a crate of {i * 7 % 13} lamps." for i in range(60))
+
+    def one(i: int) -> None:
+        with httpx.Client(timeout=REQUEST_TIMEOUT) as client:
+            chat_turn(client, url, model, [{"role": "user", "content": f"{i}: {text}"}], 8)
+
+    with ThreadPoolExecutor(clients) as pool:
+        list(pool.map(one, range(clients)))
+
+
+def run_server(name: str, command: list[str], port: int, model: str, args) -> Run:
+    url = f"http://127.0.0.1:{port}"
+    log = open(Path(args.log_dir) / f"{name}.log", "w")
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        wait_ready(url, process)
+        warm_up(url, model, args.conversations)
+        run = Run(name)
+        start = time.perf_counter()
+        with ThreadPoolExecutor(args.conversations) as pool:
+            jobs = [pool.submit(conversation, url, model, i, args.turns, args.max_tokens)
+                    for i in range(args.conversations)]
+            for job in jobs:
+                run.turns += job.result()
+        run.wall = time.perf_counter() - start
+        return run
+    finally:
+        process.terminate()
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+        log.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--pte", required=True, help="the exported .pte (fp32) of --hf-dir")
+    parser.add_argument("--hf-dir", required=True, help="the HF checkpoint directory mlx-lm serves")
+    parser.add_argument("--conversations", type=int, default=8)
+    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--port", type=int, default=8765)
+    parser.add_argument("--only", default="mlx-pte-reuse,mlx-pte-cold,mlx-lm", help="servers to run, comma-separated")
+    parser.add_argument("--log-dir", default=".", help="where each server's log goes")
+    parser.add_argument("--json", default=None, help="also write every turn's figures here")
+    args = parser.parse_args()
+
+    serve = [sys.executable, "-m", "mlx_pte", "serve", args.pte, "--model-id", "mlx-pte"]
+    servers = {
+        "mlx-pte-reuse": (serve, "mlx-pte"),
+        "mlx-pte-cold": (serve + ["--prompt-cache-tokens", "0"], "mlx-pte"),
+        "mlx-lm": ([sys.executable, "-m", "mlx_lm.server", "--model", args.hf_dir], args.hf_dir),
+    }
+    runs = {}
+    for i, name in enumerate(n for n in args.only.split(",") if n):
+        command, model = servers[name]
+        port = args.port + i
+        runs[name] = run_server(name, command + ["--port", str(port)], port, model, args)
+        print(f"{name}: done in {runs[name].wall:.1f} s", file=sys.stderr)
+
+    print(f"\n{args.conversations} conversations x {args.turns} turns, max_tokens {args.max_tokens}, greedy; "
+          "times in ms (a shared machine: noisy)\n")
+    print(f"{'server':<15} {'TTFT p50':>9} {'TTFT p95':>9} {'turns 2+ p50':>13} {'p95':>7} {'tok/s':>7} "
+          f"{'prompt tok':>11} {'cached':>8}")
+    for name, run in runs.items():
+        all_ttft, later = run.ttft(), run.ttft(1)
+        print(f"{name:<15} {1e3 * percentile(all_ttft, 50):>9.0f} {1e3 * percentile(all_ttft, 95):>9.0f} "
+              f"{1e3 * percentile(later, 50):>13.0f} {1e3 * percentile(later, 95):>7.0f} {run.tps:>7.1f} "
+              f"{sum(t.prompt_tokens for t in run.turns):>11} {sum(t.cached_tokens for t in run.turns):>8}")
+    p50 = {name: percentile(run.ttft(), 50) for name, run in runs.items()}
+    if "mlx-pte-reuse" in runs and "mlx-pte-cold" in runs:
+        print(f"\nTTFT p50 reuse / cold: {p50['mlx-pte-reuse'] / p50['mlx-pte-cold']:.2f} (target <= 0.5)")
+        same = {(t.conversation, t.turn): t.text for t in runs["mlx-pte-reuse"].turns} == {
+            (t.conversation, t.turn): t.text for t in runs["mlx-pte-cold"].turns}
+        print(f"mlx-pte replies with and without reuse identical: {same}")
+    if "mlx-pte-reuse" in runs and "mlx-lm" in runs:
+        print(f"TTFT p50 reuse / mlx-lm: {p50['mlx-pte-reuse'] / p50['mlx-lm']:.2f} (target <= 1)")
+        print(f"aggregate tok/s reuse / mlx-lm: {runs['mlx-pte-reuse'].tps / runs['mlx-lm'].tps:.2f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(
+            {name: {"wall": run.wall, "turns": [vars(t) for t in run.turns]} for name, run in runs.items()}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
