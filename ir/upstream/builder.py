@@ -14,7 +14,7 @@ from ..graph import UNTYPED_TENSOR, AttrValue, Graph, Instruction, ScalarType, S
 # ExecuTorch ScalarType codes (runtime/core/portable_type/scalar_type.h) -> IR dtypes.
 SCALAR_TYPES = {
     0: "uint8", 1: "int8", 2: "int16", 3: "int32", 4: "int64",
-    5: "float16", 6: "float32", 11: "bool", 15: "bfloat16",
+    5: "float16", 6: "float32", 11: "bool", 15: "bfloat16", 28: "uint32",
 }  # fmt: skip
 
 
@@ -39,7 +39,12 @@ class ImportBuilder:
         self._tensors: dict[int, int] = {}
         self._values: dict[int, int] = {}
         self._transposed: dict[int, int] = {}  # slot -> the constant slot it is the 2-D transpose of
+        self._rows: dict[int, tuple[int, int]] = {}  # slot -> (constant slot, indices slot) it is rows of
         self._constants: set[int] = set()
+
+    @property
+    def n_tensors(self) -> int:
+        return self._n_tensors
 
     # -- ids -> slots ---------------------------------------------------------------
     def bind(self, tid: int, slot: int) -> None:
@@ -165,3 +170,12 @@ class ImportBuilder:
     def transposed_constant(self, tid: Any) -> Optional[int]:
         """The constant slot whose transpose ``tid`` holds, if it holds one."""
         return self._transposed.get(self.read(tid))
+
+    def note_rows(self, out: int, x: int, indices: int) -> None:
+        if x in self._constants:
+            self._rows[out] = (x, indices)
+
+    def constant_rows(self, tid: Any) -> Optional[tuple[int, int]]:
+        """(constant slot, indices slot) when ``tid`` holds the rows ``indices`` select of a
+        constant (a gather along axis 0), else None."""
+        return self._rows.get(self.read(tid))

@@ -227,7 +227,10 @@ def _take(b: ImportBuilder, n: Any) -> None:
         indices = b.read(index.tid)
         # Axis 0 with indices of any shape is an embedding lookup (mx.take either way).
         op, attrs = ("embedding", {}) if n.axis == 0 else ("index_select", {"dim": n.axis})
-        b.emit(op, (x, indices), (b.write(n.out),), **attrs)
+        out = b.write(n.out)
+        b.emit(op, (x, indices), (out,), **attrs)
+        if n.axis == 0:
+            b.note_rows(out, x, indices)
     elif index.kind in (_TAKE_LITERAL, _TAKE_VID):
         value = index.literal if index.kind == _TAKE_LITERAL else b.value(index.vid)
         b.emit("select", (x,), (b.write(n.out),), dim=n.axis, index=value)
@@ -304,6 +307,47 @@ def _argmin(b: ImportBuilder, n: Any) -> None:
     negated = b.temp()  # the first minimum of x is the first maximum of -x
     b.emit("neg", (b.read(n.x),), (negated,))
     b.emit("argmax", (negated,), (b.write(n.out),), dim=n.axis, keepdim=bool(n.keepdims))
+
+
+def _quantization(b: ImportBuilder, n: Any) -> dict[str, Any]:
+    return dict(group_size=n.groupSize, bits=n.bits, mode=b.text(n.mode))
+
+
+@translates("QuantizedMatmulNode")
+def _quantized_matmul(b: ImportBuilder, n: Any) -> None:
+    """x @ dequantize(w).T on a stored quantized weight: ``quantized_linear``."""
+    if not n.transpose:
+        raise FormatError("a QuantizedMatmulNode without transpose (a weight stored [K, N]) is not supported")
+    parts = (b.read(n.w), b.read(n.scales), b.read_optional(n.biases))
+    if any(p is not None and b.constant_dtype(p) is None for p in parts):
+        raise FormatError("a QuantizedMatmulNode reads a quantized weight computed at run time; "
+                          "mlx-pte runs stored quantized weights only")  # fmt: skip
+    b.emit("quantized_linear", (b.read(n.x), *parts, None), (b.write(n.out),), **_quantization(b, n))
+
+
+@translates("DequantizeNode")
+def _dequantize(b: ImportBuilder, n: Any) -> None:
+    """Rows gathered from each part of a stored quantized weight by the same indices, then
+    dequantized (upstream's quantized embedding): ``quantized_embedding``."""
+    if n.globalScale is not None:
+        raise FormatError("a DequantizeNode with a global scale is not supported")
+    tids = (n.w, n.scales) + (() if n.biases is None else (n.biases,))
+    rows = [b.constant_rows(t) for t in tids]
+    if any(r is None for r in rows) or len({r[1] for r in rows}) != 1:
+        raise FormatError(
+            "a DequantizeNode is supported on rows one index tensor gathers from each part of a stored "
+            "quantized weight (a quantized embedding) only"
+        )
+    weight, scales = rows[0][0], rows[1][0]
+    biases = rows[2][0] if len(rows) == 3 else None
+    if n.dtype is not None:
+        dtype = b.dtype(n.dtype)
+    elif biases is not None:  # affine: MLX dequantizes to the scales' dtype
+        dtype = b.constant_dtype(scales)
+    else:
+        raise FormatError(f"a DequantizeNode of {b.text(n.mode)} weights must give its dtype")
+    inputs = (weight, scales, biases, rows[0][1])
+    b.emit("quantized_embedding", inputs, (b.write(n.out),), dtype=dtype, **_quantization(b, n))
 
 
 def translation(name: str) -> Optional[Translation]:
