@@ -480,6 +480,62 @@ def _quantized_embedding(args: Args, attrs: dict[str, Any], ctx: RunContext) -> 
     return mx.dequantize(*rows, dtype=MX_DTYPES[attrs["dtype"]], **_quant_kwargs(attrs))
 
 
+# -- ops only imported upstream programs use (ir.catalog.UPSTREAM_ONLY) ------------------
+_UPSTREAM_ELEMENTWISE = {
+    "floor": mx.floor, "ceil": mx.ceil, "trunc": mx.trunc, "tan": mx.tan, "asin": mx.arcsin,
+    "acos": mx.arccos, "atan": mx.arctan, "sinh": mx.sinh, "cosh": mx.cosh, "asinh": mx.arcsinh,
+    "acosh": mx.arccosh, "atanh": mx.arctanh, "log2": mx.log2, "log10": mx.log10, "log1p": mx.log1p,
+    "expm1": mx.expm1, "sign": mx.sign, "bitwise_not": mx.bitwise_invert,
+    "atan2": mx.arctan2, "logaddexp": mx.logaddexp, "floor_divide": mx.floor_divide,
+    "remainder": mx.remainder, "bitwise_and": mx.bitwise_and, "bitwise_or": mx.bitwise_or,
+    "bitwise_xor": mx.bitwise_xor,
+}  # fmt: skip
+for _name, _fn in _UPSTREAM_ELEMENTWISE.items():
+    HANDLERS[_name] = _on_operands(_fn)
+for _name, _fn in {"prod": mx.prod, "logsumexp": mx.logsumexp, "any": mx.any, "all": mx.all}.items():
+    HANDLERS[_name] = _reduction(_fn)
+
+
+def _spread(fn: Callable[..., mx.array]) -> Handler:
+    def handler(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx.array:
+        (x,) = args
+        return fn(x, axis=list(attrs["dims"]), keepdims=attrs["keepdim"], ddof=attrs["ddof"])
+
+    return handler
+
+
+HANDLERS["var"], HANDLERS["std"] = _spread(mx.var), _spread(mx.std)
+
+
+@handles("round")
+def _round(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx.array:
+    return mx.round(args[0], attrs["decimals"])
+
+
+def _triangle(fn: Callable[..., mx.array]) -> Handler:
+    return lambda args, attrs, ctx: fn(args[0], attrs["k"])
+
+
+HANDLERS["tril"], HANDLERS["triu"] = _triangle(mx.tril), _triangle(mx.triu)
+
+
+@handles("cumsum")
+def _cumsum(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx.array:
+    return mx.cumsum(args[0], axis=attrs["dim"], reverse=attrs["reverse"], inclusive=attrs["inclusive"])
+
+
+@handles("roll")
+def _roll(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx.array:
+    return mx.roll(args[0], list(attrs["shifts"]), axis=list(attrs["dims"]))
+
+
+@handles("full_like")
+def _full_like(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx.array:
+    (x,) = args
+    dtype = x.dtype if attrs.get("dtype") is None else MX_DTYPES[attrs["dtype"]]
+    return mx.full(x.shape, attrs["value"], dtype=dtype)
+
+
 # One catalog: an op without a handler (or a handler without an op) is a bug here.
 _missing = sorted(set(CATALOG) - set(HANDLERS))
 _extra = sorted(set(HANDLERS) - set(CATALOG))

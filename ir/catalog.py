@@ -604,3 +604,71 @@ define(
         check=quantization.check_operands,
     )
 )
+
+
+# Ops that only imported upstream ExecuTorch programs use (``ir.upstream``): mlx-pte's
+# exporter never emits them; upstream's own op test cases check them against eager torch
+# (tests/upstream/test_op_suite.py). Operands keep their dtypes: MLX promotes, as upstream's
+# runtime does.
+UPSTREAM_UNARY = (
+    "floor", "ceil", "trunc", "tan", "asin", "acos", "atan", "sinh", "cosh", "asinh", "acosh",
+    "atanh", "log2", "log10", "log1p", "expm1", "sign", "bitwise_not",
+)  # fmt: skip
+UPSTREAM_BINARY = (
+    "atan2", "logaddexp", "floor_divide", "remainder", "bitwise_and", "bitwise_or", "bitwise_xor",
+)  # fmt: skip
+UPSTREAM_REDUCTIONS = ("prod", "logsumexp", "any", "all")
+for _name in UPSTREAM_UNARY:
+    define(OpSpec(_name, ("x",), output_rule="like x (MLX's op of the same name)"))
+for _name in UPSTREAM_BINARY:
+    define(OpSpec(_name, ("a", "b"), output_rule="broadcast shape of a and b; MLX's type promotion"))
+for _name in UPSTREAM_REDUCTIONS:
+    define(
+        OpSpec(
+            _name,
+            ("x",),
+            _attrs(("dims", "ints", True, "sorted_axes"), ("keepdim", "bool")),
+            output_rule="x reduced over dims (kept as size 1 if keepdim); bool for any/all, else dtype of x",
+        )
+    )
+for _name in ("var", "std"):
+    define(
+        OpSpec(
+            _name,
+            ("x",),
+            _attrs(("dims", "ints", True, "sorted_axes"), ("keepdim", "bool"), ("ddof", "int")),
+            output_rule="x's variance (std: its square root) over dims, divided by count - ddof; dtype of x",
+        )
+    )
+define(OpSpec("round", ("x",), _attrs(("decimals", "int")), output_rule="like x, rounded half to even"))
+for _name in ("tril", "triu"):
+    define(OpSpec(_name, ("x",), _attrs(("k", "int")),
+                  output_rule="like x, zero above (tril) / below (triu) diagonal k of the last two axes"))
+define(
+    OpSpec(
+        "cumsum",
+        ("x",),
+        _attrs(("dim", "int", True, "axis"), ("reverse", "bool"), ("inclusive", "bool")),
+        output_rule="like x: running sums along dim",
+    )
+)
+define(
+    OpSpec(
+        "roll",
+        ("x",),
+        _attrs(("shifts", "ints_or_refs"), ("dims", "ints")),
+        output_rule="like x, rolled by shifts[i] along dims[i]",
+    )
+)
+define(
+    OpSpec(
+        "full_like",
+        ("x",),
+        _attrs(("value", "float"), ("dtype", "dtype", False)),
+        output_rule="x's shape filled with value; dtype, or x's when absent",
+    )
+)
+UPSTREAM_ONLY = frozenset(
+    UPSTREAM_UNARY + UPSTREAM_BINARY + UPSTREAM_REDUCTIONS
+    + ("var", "std", "round", "tril", "triu", "cumsum", "roll", "full_like")
+)  # fmt: skip

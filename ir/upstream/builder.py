@@ -6,7 +6,7 @@ slot once, so every write of an id gets a fresh slot and reads see the latest on
 """
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from typing import Any, Optional, Sequence, Union
 
 from ..errors import FormatError
 from ..graph import UNTYPED_TENSOR, AttrValue, Graph, Instruction, ScalarType, SlotKind, SlotRef
@@ -28,12 +28,15 @@ class ImportBuilder:
         n_caches: how many caches its geometry publishes (``layer_id`` bound; None: unchecked,
             the caller's cache decides).
         writable_from: the first Tid instructions may write (constants and inputs come first).
+        meta: the payload's recorded tensor types, by Tid (constants, inputs and outputs only).
     """
 
     def __init__(
-        self, graph: Graph, n_tensors: int, n_values: int, n_caches: Optional[int], writable_from: int
-    ) -> None:
+        self, graph: Graph, n_tensors: int, n_values: int, n_caches: Optional[int], writable_from: int,
+        meta: Sequence[Any] = (),
+    ) -> None:  # fmt: skip
         self.graph = graph
+        self._meta = meta
         self._n_tensors, self._n_values, self._n_caches = n_tensors, n_values, n_caches
         self._writable_from = writable_from
         self._tensors: dict[int, int] = {}
@@ -170,6 +173,12 @@ class ImportBuilder:
     def transposed_constant(self, tid: Any) -> Optional[int]:
         """The constant slot whose transpose ``tid`` holds, if it holds one."""
         return self._transposed.get(self.read(tid))
+
+    def recorded_rank(self, tid: Any) -> Optional[int]:
+        """The rank the payload records for tensor ``tid`` (None when it records none)."""
+        index = -1 if tid is None else tid.idx
+        m = self._meta[index] if 0 <= index < len(self._meta) else None
+        return None if m is None or m.shape is None else len(m.shape)
 
     def note_rows(self, out: int, x: int, indices: int) -> None:
         if x in self._constants:

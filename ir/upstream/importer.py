@@ -131,8 +131,10 @@ def _start(
         )
     _check_node_types(fb)  # before the constants: a quantized weight's packed dtype is no IR dtype
     counts = (fb.numConstantTensors, fb.numInputTensors, fb.numOutputTensors, fb.numTempTensors)
-    builder = ImportBuilder(graph, sum(counts), fb.numValues, n_caches, fb.numConstantTensors + fb.numInputTensors)
-    weights = _bind_constants(graph, builder, fb, list(fb.tensorMeta or ()), named_data)
+    meta = list(fb.tensorMeta or ())
+    writable_from = fb.numConstantTensors + fb.numInputTensors
+    builder = ImportBuilder(graph, sum(counts), fb.numValues, n_caches, writable_from, meta)
+    weights = _bind_constants(graph, builder, fb, meta, named_data)
     names = node_type_names()
     inputs = range(fb.numConstantTensors, fb.numConstantTensors + fb.numInputTensors)
     fold_init_chain(builder, [(_node_name(i, names), i.op) for i in _chains(fb)[0]], weights, inputs)

@@ -19,15 +19,25 @@ _UNARY = {
     "NegNode": "neg", "AbsNode": "abs", "ExpNode": "exp", "LogNode": "log", "SqrtNode": "sqrt",
     "RsqrtNode": "rsqrt", "SinNode": "sin", "CosNode": "cos", "TanhNode": "tanh",
     "SigmoidNode": "sigmoid", "SiluNode": "silu", "ErfNode": "erf", "ReciprocalNode": "reciprocal",
-    "LogicalNotNode": "logical_not",
+    "LogicalNotNode": "logical_not", "FloorNode": "floor", "CeilNode": "ceil", "TruncNode": "trunc",
+    "TanNode": "tan", "ArcsinNode": "asin", "ArccosNode": "acos", "ArctanNode": "atan", "SinhNode": "sinh",
+    "CoshNode": "cosh", "ArcsinhNode": "asinh", "ArccoshNode": "acosh", "ArctanhNode": "atanh",
+    "Log2Node": "log2", "Log10Node": "log10", "Log1pNode": "log1p", "Expm1Node": "expm1", "SignNode": "sign",
+    "BitwiseInvertNode": "bitwise_not",
 }  # fmt: skip
 _BINARY = {
     "AddNode": "add", "SubtractNode": "sub", "MultiplyNode": "mul", "DivideNode": "div",
     "PowerNode": "pow", "MaximumNode": "maximum", "MinimumNode": "minimum", "LessNode": "lt",
     "LessEqualNode": "le", "GreaterNode": "gt", "GreaterEqualNode": "ge", "EqualNode": "eq",
     "NotEqualNode": "ne", "LogicalAndNode": "logical_and", "LogicalOrNode": "logical_or",
+    "Atan2Node": "atan2", "LogAddExpNode": "logaddexp", "FloorDivideNode": "floor_divide",
+    "RemainderNode": "remainder", "BitwiseAndNode": "bitwise_and", "BitwiseOrNode": "bitwise_or",
+    "BitwiseXorNode": "bitwise_xor",
 }  # fmt: skip
-_REDUCTIONS = {"SumNode": "sum", "MeanNode": "mean", "MaxNode": "amax", "MinNode": "amin"}
+_REDUCTIONS = {
+    "SumNode": "sum", "MeanNode": "mean", "MaxNode": "amax", "MinNode": "amin", "ProdNode": "prod",
+    "LogSumExpNode": "logsumexp", "AnyNode": "any", "AllNode": "all", "VarNode": "var", "StdNode": "std",
+}  # fmt: skip
 _SCALAR = {
     "AddIntNode": "scalar_add", "SubtractIntNode": "scalar_sub",
     "MultiplyIntNode": "scalar_mul", "FloorDivideIntNode": "scalar_floordiv",
@@ -58,9 +68,24 @@ def _binary(op: str) -> Translation:
 
 def _reduction(op: str) -> Translation:
     def translate(b: ImportBuilder, n: Any) -> None:
-        if n.axes is None or len(n.axes) == 0:
-            raise FormatError(f"a {op} over every axis (no axes given) is not supported")
-        b.emit(op, (b.read(n.x),), (b.write(n.out),), dims=_ints(n.axes), keepdim=bool(n.keepdims))
+        x = b.read(n.x)
+        extra = {"ddof": n.ddof} if op in ("var", "std") else {}
+        if n.axes is not None and len(n.axes):
+            b.emit(op, (x,), (b.write(n.out),), dims=_ints(n.axes), keepdim=bool(n.keepdims), **extra)
+            return
+        # Over every axis (no axes given): of the flattened values; keepdims gives the
+        # result the operand's rank, which only the result's recorded type says.
+        flat = b.temp()
+        b.emit("view", (x,), (flat,), shape=(-1,))
+        if not n.keepdims:
+            b.emit(op, (flat,), (b.write(n.out),), dims=(0,), keepdim=False, **extra)
+            return
+        rank = b.recorded_rank(n.out)
+        if rank is None:
+            raise FormatError(f"a {op} over every axis keeping dims needs the result's rank, which is not recorded")
+        reduced = b.temp()
+        b.emit(op, (flat,), (reduced,), dims=(0,), keepdim=True, **extra)
+        b.emit("view", (reduced,), (b.write(n.out),), shape=(1,) * rank)
 
     return translate
 
@@ -307,6 +332,39 @@ def _argmin(b: ImportBuilder, n: Any) -> None:
     negated = b.temp()  # the first minimum of x is the first maximum of -x
     b.emit("neg", (b.read(n.x),), (negated,))
     b.emit("argmax", (negated,), (b.write(n.out),), dim=n.axis, keepdim=bool(n.keepdims))
+
+
+@translates("RoundNode")
+def _round(b: ImportBuilder, n: Any) -> None:
+    b.emit("round", (b.read(n.x),), (b.write(n.out),), decimals=n.decimals)
+
+
+@translates("TrilNode", "TriuNode")
+def _triangle(b: ImportBuilder, n: Any) -> None:
+    op = "tril" if type(n).__name__ == "TrilNodeT" else "triu"
+    b.emit(op, (b.read(n.x),), (b.write(n.out),), k=n.k)
+
+
+@translates("CumsumNode")
+def _cumsum(b: ImportBuilder, n: Any) -> None:
+    attrs = dict(dim=n.axis, reverse=bool(n.reverse), inclusive=bool(n.inclusive))
+    b.emit("cumsum", (b.read(n.x),), (b.write(n.out),), **attrs)
+
+
+@translates("RollNode")
+def _roll(b: ImportBuilder, n: Any) -> None:
+    shifts, dims = b.ints_or_refs(n.shift), _ints(n.axes if n.axes is not None else ())
+    if len(shifts) != len(dims):
+        raise FormatError(f"a RollNode gives {len(shifts)} shifts for {len(dims)} axes")
+    b.emit("roll", (b.read(n.x),), (b.write(n.out),), shifts=shifts, dims=dims)
+
+
+@translates("FullLikeNode")
+def _full_like(b: ImportBuilder, n: Any) -> None:
+    attrs = dict(value=b.static_float(n.v, "FullLikeNode value"))
+    if n.scalarType is not None:
+        attrs["dtype"] = b.dtype(n.scalarType)
+    b.emit("full_like", (b.read(n.x),), (b.write(n.out),), **attrs)
 
 
 def _quantization(b: ImportBuilder, n: Any) -> dict[str, Any]:
