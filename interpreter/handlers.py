@@ -334,7 +334,8 @@ def _slice_index(x: mx.array, attrs: dict[str, Any]) -> tuple:
     dim = attrs["dim"]
     # Resolve Python slice semantics on the host: torch's "to the end" is 2**63-1.
     start, end, step = slice(attrs["start"], attrs["end"], attrs["step"]).indices(x.shape[dim])
-    return _along(x, dim, slice(start, end, step))
+    # A backward slice through index 0 ends at -1, which as an index means the last element.
+    return _along(x, dim, slice(start, None if end < 0 else end, step))
 
 
 @handles("slice")
@@ -534,6 +535,40 @@ def _full_like(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx.array:
     (x,) = args
     dtype = x.dtype if attrs.get("dtype") is None else MX_DTYPES[attrs["dtype"]]
     return mx.full(x.shape, attrs["value"], dtype=dtype)
+
+
+HANDLERS["sort"] = lambda args, attrs, ctx: mx.sort(args[0], axis=attrs["dim"])
+HANDLERS["argsort"] = lambda args, attrs, ctx: mx.argsort(args[0], axis=attrs["dim"])
+HANDLERS["partition"] = lambda args, attrs, ctx: mx.partition(args[0], attrs["kth"], axis=attrs["dim"])
+HANDLERS["argpartition"] = lambda args, attrs, ctx: mx.argpartition(args[0], attrs["kth"], axis=attrs["dim"])
+
+
+@handles("flip")
+def _flip(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx.array:
+    (x,) = args
+    axes = {d % x.ndim for d in attrs["dims"]}
+    return x[tuple(slice(None, None, -1) if axis in axes else slice(None) for axis in range(x.ndim))]
+
+
+@handles("repeat_interleave")
+def _repeat_interleave(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx.array:
+    return mx.repeat(args[0], attrs["repeats"], axis=attrs["dim"])
+
+
+@handles("pad")
+def _pad(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx.array:
+    (x,) = args
+    widths = attrs["widths"]
+    pairs = [(widths[i], widths[i + 1]) for i in range(0, len(widths), 2)]
+    return mx.pad(x, pairs, mode=attrs["mode"], constant_values=attrs["value"])
+
+
+@handles("sdpa")
+def _sdpa(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx.array:
+    q, k, v, mask = args
+    if attrs["causal"]:
+        mask = "causal"
+    return mx.fast.scaled_dot_product_attention(q, k, v, scale=attrs["scale"], mask=mask)
 
 
 # One catalog: an op without a handler (or a handler without an op) is a bug here.

@@ -668,7 +668,49 @@ define(
         output_rule="x's shape filled with value; dtype, or x's when absent",
     )
 )
+for _name in ("sort", "argsort"):
+    define(OpSpec(_name, ("x",), _attrs(("dim", "int", True, "axis")),
+                  output_rule="x's shape: sorted along dim (argsort: the indices that sort, uint32)"))
+for _name in ("partition", "argpartition"):
+    define(
+        OpSpec(
+            _name,
+            ("x",),
+            _attrs(("kth", "int_or_ref"), ("dim", "int", True, "axis")),
+            output_rule="x's shape, along dim: element kth in its sorted place, none larger before it, "
+            "none smaller after (argpartition: their indices, uint32)",
+        )
+    )
+define(OpSpec("flip", ("x",), _attrs(("dims", "ints")), output_rule="like x, reversed along dims"))
+define(
+    OpSpec(
+        "repeat_interleave",
+        ("x",),
+        _attrs(("repeats", "int_or_ref"), ("dim", "int", True, "axis")),
+        output_rule="x with each element repeated `repeats` times along dim",
+    )
+)
+define(
+    OpSpec(
+        "pad",
+        ("x",),
+        (AttrSpec("widths", "ints_or_refs"), AttrSpec("mode", "str", choices=("constant", "edge")),
+         AttrSpec("value", "float")),
+        output_rule="x padded by (widths[2i], widths[2i + 1]) before and after axis i; constant value or "
+        "the edge element",
+    )  # fmt: skip
+)
+define(
+    OpSpec(
+        "sdpa",
+        ("q", "k", "v", "mask?"),
+        _attrs(("scale", "float"), ("causal", "bool")),
+        output_rule="[B, Hq, T, Dv]: softmax(q @ k.T * scale + mask) @ v, k and v heads shared by groups of q "
+        "heads; a bool mask selects, a float mask adds; causal masks the upper right (MLX's fast sdpa)",
+    )
+)
 UPSTREAM_ONLY = frozenset(
     UPSTREAM_UNARY + UPSTREAM_BINARY + UPSTREAM_REDUCTIONS
-    + ("var", "std", "round", "tril", "triu", "cumsum", "roll", "full_like")
+    + ("var", "std", "round", "tril", "triu", "cumsum", "roll", "full_like", "sort", "argsort", "partition",
+       "argpartition", "flip", "repeat_interleave", "pad", "sdpa")
 )  # fmt: skip

@@ -367,6 +367,44 @@ def _full_like(b: ImportBuilder, n: Any) -> None:
     b.emit("full_like", (b.read(n.x),), (b.write(n.out),), **attrs)
 
 
+@translates("SortNode", "ArgsortNode")
+def _sort(b: ImportBuilder, n: Any) -> None:
+    op = "sort" if type(n).__name__ == "SortNodeT" else "argsort"
+    b.emit(op, (b.read(n.x),), (b.write(n.out),), dim=n.axis)
+
+
+@translates("PartitionNode", "ArgPartitionNode")
+def _partition(b: ImportBuilder, n: Any) -> None:
+    op = "partition" if type(n).__name__ == "PartitionNodeT" else "argpartition"
+    b.emit(op, (b.read(n.x),), (b.write(n.out),), kth=b.int_or_ref(n.kth), dim=n.axis)
+
+
+@translates("FlipNode")
+def _flip(b: ImportBuilder, n: Any) -> None:
+    b.emit("flip", (b.read(n.x),), (b.write(n.out),), dims=_ints(n.axes if n.axes is not None else ()))
+
+
+@translates("RepeatNode")
+def _repeat(b: ImportBuilder, n: Any) -> None:
+    b.emit("repeat_interleave", (b.read(n.x),), (b.write(n.out),), repeats=b.int_or_ref(n.repeats), dim=n.axis)
+
+
+@translates("PadNode")
+def _pad(b: ImportBuilder, n: Any) -> None:
+    widths = b.ints_or_refs(n.padWidth)
+    mode = b.text(n.mode)
+    if len(widths) % 2 or mode not in ("constant", "edge"):
+        raise FormatError(f"a PadNode needs (before, after) pairs and mode constant or edge, got {len(widths)} "
+                          f"widths and mode {mode!r}")  # fmt: skip
+    b.emit("pad", (b.read(n.x),), (b.write(n.out),), widths=widths, mode=mode, value=float(n.constantValue))
+
+
+@translates("SdpaNode")
+def _sdpa(b: ImportBuilder, n: Any) -> None:
+    inputs = (b.read(n.q), b.read(n.k), b.read(n.v), b.read_optional(n.mask))
+    b.emit("sdpa", inputs, (b.write(n.out),), scale=float(n.scale), causal=bool(n.causal))
+
+
 def _quantization(b: ImportBuilder, n: Any) -> dict[str, Any]:
     return dict(group_size=n.groupSize, bits=n.bits, mode=b.text(n.mode))
 
