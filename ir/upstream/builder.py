@@ -174,11 +174,12 @@ class ImportBuilder:
         """The constant slot whose transpose ``tid`` holds, if it holds one."""
         return self._transposed.get(self.read(tid))
 
-    def recorded_rank(self, tid: Any) -> Optional[int]:
-        """The rank the payload records for tensor ``tid`` (None when it records none)."""
+    def recorded_shape(self, tid: Any) -> Optional[tuple[int, ...]]:
+        """The shape the payload records for tensor ``tid``, a dynamic size as -1 (None when
+        it records none: only constants, inputs and outputs have one)."""
         index = -1 if tid is None else tid.idx
         m = self._meta[index] if 0 <= index < len(self._meta) else None
-        return None if m is None or m.shape is None else len(m.shape)
+        return None if m is None or m.shape is None else tuple(int(d.value) for d in m.shape)
 
     def note_rows(self, out: int, x: int, indices: int) -> None:
         if x in self._constants:

@@ -129,7 +129,7 @@ def _start(
             "the upstream program keeps its KV cache in graph buffers; mlx-pte runs off-graph-cache "
             "exports only (export_llm_hf --use-offgraph-cache)"
         )
-    _check_node_types(fb)  # before the constants: a quantized weight's packed dtype is no IR dtype
+    _check_node_types(fb)  # first: untranslated node types are the news, whatever else is foreign
     counts = (fb.numConstantTensors, fb.numInputTensors, fb.numOutputTensors, fb.numTempTensors)
     meta = list(fb.tensorMeta or ())
     writable_from = fb.numConstantTensors + fb.numInputTensors

@@ -50,7 +50,8 @@ def fold_init_chain(
             raise FormatError(f"the upstream init chain multiplies {' by '.join(sorted(dtypes))}; mlx-pte folds one dtype")
         (dtype,) = dtypes
         try:
-            value = fold(_array(weights[a], builder.graph.slots[a].type), _array(weights[b], builder.graph.slots[b].type))
+            with np.errstate(all="ignore"):  # overflow to inf and nan products are MLX's too
+                value = fold(*(_array(weights[s], builder.graph.slots[s].type) for s in (a, b)))
         except ValueError as exc:  # shapes that do not broadcast
             raise FormatError(f"the upstream init chain's {name} cannot be computed: {exc}") from None
         out = node.out

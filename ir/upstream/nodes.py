@@ -80,12 +80,12 @@ def _reduction(op: str) -> Translation:
         if not n.keepdims:
             b.emit(op, (flat,), (b.write(n.out),), dims=(0,), keepdim=False, **extra)
             return
-        rank = b.recorded_rank(n.out)
-        if rank is None:
+        shape = b.recorded_shape(n.out)
+        if shape is None:
             raise FormatError(f"a {op} over every axis keeping dims needs the result's rank, which is not recorded")
         reduced = b.temp()
         b.emit(op, (flat,), (reduced,), dims=(0,), keepdim=True, **extra)
-        b.emit("view", (reduced,), (b.write(n.out),), shape=(1,) * rank)
+        b.emit("view", (reduced,), (b.write(n.out),), shape=(1,) * len(shape))
 
     return translate
 
@@ -97,6 +97,11 @@ def _scalar(op: str) -> Translation:
 for _table, _make in ((_UNARY, _unary), (_BINARY, _binary), (_REDUCTIONS, _reduction), (_SCALAR, _scalar)):
     for _node, _op in _table.items():
         TRANSLATIONS[_node] = _make(_op)
+
+
+@translates("NoopNode")
+def _noop(b: ImportBuilder, n: Any) -> None:
+    pass
 
 
 @translates("IdCopyNode", "ContiguousNode")
@@ -208,9 +213,15 @@ def _expand_dims(b: ImportBuilder, n: Any) -> None:
 
 @translates("SqueezeNode")
 def _squeeze(b: ImportBuilder, n: Any) -> None:
-    if n.dims is None or len(n.dims) == 0:
-        raise FormatError("a SqueezeNode without dims (squeeze every size-1 axis) is not supported")
-    b.emit("squeeze", (b.read(n.x),), (b.write(n.out),), dims=_ints(n.dims))
+    if n.dims is not None and len(n.dims):
+        b.emit("squeeze", (b.read(n.x),), (b.write(n.out),), dims=_ints(n.dims))
+        return
+    # Every size-1 axis: which ones only the result's recorded shape says (one dynamic size at most).
+    shape = b.recorded_shape(n.out)
+    if shape is None or shape.count(-1) > 1:
+        raise FormatError("a SqueezeNode without dims (squeeze every size-1 axis) is supported on a result of "
+                          "recorded shape only")  # fmt: skip
+    b.emit("view", (b.read(n.x),), (b.write(n.out),), shape=shape)
 
 
 @translates("SliceNode")
