@@ -51,7 +51,7 @@ def prompts_for(batch: int, length: int, vocab: int) -> list[list[int]]:
 
 
 def bench_engine(program, kind: str, prompts: list[list[int]], n: int, dtype: str) -> Rates:
-    from mlx_pte.interpreter.engine import Engine, Request
+    from mlx_pte.serving.engine import Engine, Request
 
     capacity = sum(len(p) + n for p in prompts)
     engine = Engine(program, kind, capacity=capacity, kv_dtype=dtype)

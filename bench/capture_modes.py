@@ -26,7 +26,7 @@ import numpy as np
 import mlx_pte.runtime.mlx.blas  # noqa: F401  (before mlx.core: fast BLAS)
 import mlx.core as mx
 
-from mlx_pte.interpreter import load
+from mlx_pte import load
 from mlx_pte.interpreter.handlers import RunContext
 from mlx_pte.interpreter.program import Program
 from mlx_pte.interpreter.session import Session

@@ -77,7 +77,7 @@ def export_job(job: dict) -> str:
 
 
 def mlx_pte_job(job: dict) -> dict:
-    from mlx_pte.interpreter import Session, generate, load
+    from mlx_pte import Session, generate, load
     from step_split import host_device_ms
 
     program = load(Path(job["pte"]))

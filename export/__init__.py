@@ -2,7 +2,7 @@
 import sys
 import warnings
 
-from mlx_pte import lazy_exports
+from mlx_pte.ir.lazy_exports import lazy_exports
 
 # See mlx_pte/runtime/mlx/blas.py: torch imported after the OpenBLAS loader calls OpenBLAS.
 _blas = sys.modules.get("mlx_pte.runtime.mlx.blas")

@@ -1,19 +1,13 @@
-"""The MLX side: load a .pte and run it (sessions, generation, batching).
+"""The MLX side: load a .pte and run it (the prepared plan, op handlers, sessions, capture).
 
-Names are resolved lazily so importing a light submodule (e.g. the server's request
-parsing) does not load MLX.
+Names are resolved lazily so importing a light submodule does not load MLX.
 """
-from mlx_pte import lazy_exports
+from mlx_pte.ir.lazy_exports import lazy_exports
 
 _EXPORTS = {
     "load": ".program",
     "Program": ".program",
     "Session": ".session",
-    "generate": ".generation",
-    "GenerationResult": ".generation",
-    "SamplingParams": ".sampling",
-    "Engine": ".engine",
-    "Request": ".engine",
 }
 
 __all__ = sorted(_EXPORTS)

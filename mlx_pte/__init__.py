@@ -1,15 +1,23 @@
-"""mlx-pte: export Hugging Face causal LMs to ExecuTorch .pte files and run them on MLX."""
-from importlib import import_module
-from typing import Any, Callable, Mapping
+"""mlx-pte: export Hugging Face causal LMs to ExecuTorch .pte files and run them on MLX.
 
+The public API, resolved on first use so that ``import mlx_pte`` loads neither MLX nor torch:
+``export_hf`` (torch side), ``load`` and ``Session`` (run a program), ``generate`` and
+``Engine`` (serve requests), with their ``SamplingParams``, ``Request`` and ``GenerationResult``.
+"""
+from mlx_pte.ir.lazy_exports import lazy_exports
 
-def lazy_exports(package: str, exports: Mapping[str, str]) -> Callable[[str], Any]:
-    """A module ``__getattr__`` resolving ``name`` from submodule ``exports[name]`` on first
-    use, so importing a light submodule of ``package`` does not load the heavy ones."""
+_EXPORTS = {
+    "export_hf": "mlx_pte.export.hf_export",
+    "load": "mlx_pte.interpreter.program",
+    "Program": "mlx_pte.interpreter.program",
+    "Session": "mlx_pte.interpreter.session",
+    "generate": "mlx_pte.serving.generation",
+    "GenerationResult": "mlx_pte.serving.generation",
+    "SamplingParams": "mlx_pte.serving.sampling",
+    "Engine": "mlx_pte.serving.engine",
+    "Request": "mlx_pte.serving.engine",
+}
 
-    def __getattr__(name: str) -> Any:
-        if name not in exports:
-            raise AttributeError(f"module {package!r} has no attribute {name!r}")
-        return getattr(import_module(exports[name], package), name)
+__all__ = sorted(_EXPORTS)
 
-    return __getattr__
+__getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import os
 import sys
 from collections import Counter
@@ -27,7 +26,17 @@ from mlx_pte.ir.payload import ITEMSIZE, Payload
 from mlx_pte.ir.quantization import PRESETS, QuantSpec, full_precision_weights, quantized_constants
 from mlx_pte.ir.pte import read_pte
 from mlx_pte.ir.upstream.importer import ImportedPayload
-from mlx_pte.runtime.cache import KINDS, CacheError
+from mlx_pte.runtime.cache import KIND_BATCHED_SEQUENCE, KINDS, CacheError
+from mlx_pte.serving.engine import DEFAULT_CAPACITY_CONTEXTS
+
+from .arguments import (
+    add_batching_arguments,
+    add_cache_arguments,
+    add_sampling_arguments,
+    add_serve_arguments,
+    add_tokenizer_argument,
+    positive_int,
+)
 
 Handler = Callable[[argparse.Namespace], int]
 Setup = Callable[[argparse.ArgumentParser], Handler]
@@ -51,28 +60,6 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> None:  # type: ignore[override]
         self.exit(2, f"error: {message} (see {self.prog} --help)\n")
-
-
-def _checked(kind: type, what: str, ok: Callable[[float], bool]) -> Callable[[str], float]:
-    """An argparse type: ``kind(text)`` that must satisfy ``ok``; argparse names the flag."""
-
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
-        if not ok(value):
-            raise argparse.ArgumentTypeError(f"expected {what}, got {text}")
-        return value
-
-    parse.__name__ = what  # argparse shows it in its own messages
-    return parse
-
-
-positive_int = _checked(int, "an integer >= 1", lambda v: v >= 1)
-non_negative_int = _checked(int, "an integer >= 0", lambda v: v >= 0)
-non_negative_float = _checked(float, "a finite number >= 0", lambda v: math.isfinite(v) and v >= 0)
-probability = _checked(float, "a number in (0, 1]", lambda v: 0 < v <= 1)
 
 
 # Arguments that are text for the model (not paths, which may be any bytes).
@@ -127,8 +114,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 @command("inspect", "print a .pte file's manifest, ops, inputs/outputs, sizes and cache geometry")
 def inspect_command(parser: argparse.ArgumentParser) -> Handler:
     parser.add_argument("model", help="the .pte file")
-    from mlx_pte.interpreter.server import add_tokenizer_argument
-
     add_tokenizer_argument(parser)
 
     def run(args: argparse.Namespace) -> int:
@@ -292,38 +277,8 @@ def quiet_export_dependencies() -> None:
 # -- run --------------------------------------------------------------------------------
 
 
-def add_cache_arguments(parser: argparse.ArgumentParser, default_kind: Optional[str], capacity: bool = True) -> None:
-    shown = default_kind or "single for --prompt, batched-sequence for --prompts"
-    parser.add_argument(
-        "--cache", default=default_kind, choices=KINDS,
-        help=f"KV-cache layout (default: {shown}): single = one sequence; batched-cell = one "
-        "pool of cells shared by all sequences; batched-sequence = a private history per sequence",
-    )
-    if capacity:
-        parser.add_argument(
-            "--capacity", type=int, default=None,
-            help="cache capacity: positions (single), cells (batched-cell) or total positions "
-            "(batched-sequence); default: the model's max context",
-        )
-    parser.add_argument(
-        "--kv-dtype", default=None, choices=("float32", "bfloat16", "float16"),
-        help="K/V storage dtype (default: the model's dtype)",
-    )
-
-
-def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--temperature", type=non_negative_float, default=0.0,
-                        help="0 (default) is greedy, as is any temperature too small to sample with")
-    parser.add_argument("--top-k", type=non_negative_int, default=0,
-                        help="sample among the k likeliest tokens (0 = all)")
-    parser.add_argument("--top-p", type=probability, default=1.0,
-                        help="sample from the smallest set holding this mass")
-    parser.add_argument("--seed", type=non_negative_int, default=None,
-                        help="random seed (an integer >= 0), for reproducible sampling")
-
-
 def sampling_from(args: argparse.Namespace):
-    from mlx_pte.interpreter.sampling import SamplingParams
+    from mlx_pte.serving.sampling import SamplingParams
 
     return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
 
@@ -353,9 +308,8 @@ def run_command(parser: argparse.ArgumentParser) -> Handler:
     parser.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     parser.add_argument("--max-new-tokens", type=positive_int, default=128,
                         help="most tokens to generate, at least 1 (default 128)")
-    add_cache_arguments(parser, None, capacity=False)
-    from mlx_pte.interpreter.server import add_batching_arguments, add_tokenizer_argument
-
+    add_cache_arguments(parser, KINDS, None, "single for --prompt, batched-sequence for --prompts",
+                        f"the model's max context with --prompt, {DEFAULT_CAPACITY_CONTEXTS} x it with --prompts")
     add_tokenizer_argument(parser)
     add_batching_arguments(parser)
     add_sampling_arguments(parser)
@@ -365,13 +319,11 @@ def run_command(parser: argparse.ArgumentParser) -> Handler:
             raise ValueError("give exactly one of --prompt TEXT or --prompts FILE")
         args.model = args.model or default_model_pte()
         if args.prompts:
-            from mlx_pte.interpreter.prompts_file import run_prompts_main
-
-            return run_prompts_main(args)
-        from mlx_pte.interpreter.generation import generate
+            return run_prompts(args)
         from mlx_pte.interpreter.program import load
         from mlx_pte.interpreter.session import Session
         from mlx_pte.interpreter.text import TextCodec
+        from mlx_pte.serving.generation import generate
 
         program = load(args.model, tokenizer=args.tokenizer)
         session = Session(program, kind=args.cache or "single", capacity=args.capacity,
@@ -399,19 +351,40 @@ def run_command(parser: argparse.ArgumentParser) -> Handler:
     return run
 
 
+def run_prompts(args: argparse.Namespace) -> int:
+    """``run MODEL --prompts FILE``: every prompt of the file through one batching engine."""
+    from pathlib import Path
+
+    from mlx_pte.serving.engine import open_engine
+    from mlx_pte.serving.prompts_file import run_prompts_file
+
+    engine = open_engine(args.model, args.cache or KIND_BATCHED_SEQUENCE, args.capacity, args.max_batch_tokens, args.max_seqs, args.kv_dtype,
+                         args.tokenizer)
+    defaults = {"max_tokens": args.max_new_tokens, "temperature": args.temperature, "top_k": args.top_k,
+                "top_p": args.top_p, "seed": args.seed}
+    run_prompts_file(engine, Path(args.prompts), {k: v for k, v in defaults.items() if v is not None})
+    return 0
+
+
 # -- serve ------------------------------------------------------------------------------
 
 
 @command("serve", "serve a .pte file over an OpenAI-compatible HTTP API (completions, chat, streaming)")
 def serve_command(parser: argparse.ArgumentParser) -> Handler:
-    from mlx_pte.interpreter.server import add_serve_arguments, serve_main
-
     add_serve_arguments(parser)
 
     def run(args: argparse.Namespace) -> int:
-        if not 0 <= args.port <= 65535:
-            raise ValueError(f"--port must be a TCP port in [0, 65535], got {args.port}")
-        return serve_main(args)
+        from pathlib import Path
+
+        from mlx_pte.serving.app import serve
+        from mlx_pte.serving.engine import open_engine
+        from mlx_pte.serving.request_body import BodyLimits
+
+        engine = open_engine(args.model, args.cache, args.capacity, args.max_batch_tokens, args.max_seqs,
+                             args.kv_dtype, args.tokenizer)
+        serve(engine, args.model_id or Path(args.model).stem, args.host, args.port,
+              BodyLimits(args.max_body_bytes, args.body_timeout), args.header_timeout, args.keep_alive)
+        return 0
 
     return run
 
@@ -422,12 +395,10 @@ def serve_command(parser: argparse.ArgumentParser) -> Handler:
 @command("bench", "measure prefill and decode speed and peak memory of a .pte file")
 def bench_command(parser: argparse.ArgumentParser) -> Handler:
     parser.add_argument("model", help="the .pte file")
-    parser.add_argument("--prompt-tokens", type=int, default=128, help="prompt length (default 128)")
-    parser.add_argument("--generate", type=int, default=64, help="tokens to generate (default 64)")
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs after one warm-up (default 3)")
-    add_cache_arguments(parser, "single")
-    from mlx_pte.interpreter.server import add_tokenizer_argument
-
+    parser.add_argument("--prompt-tokens", type=positive_int, default=128, help="prompt length (default 128)")
+    parser.add_argument("--generate", type=positive_int, default=64, help="tokens to generate (default 64)")
+    parser.add_argument("--repeats", type=positive_int, default=3, help="timed runs after one warm-up (default 3)")
+    add_cache_arguments(parser, KINDS, "single", "single", "the model's max context")
     add_tokenizer_argument(parser)
 
     def run(args: argparse.Namespace) -> int:
@@ -435,9 +406,9 @@ def bench_command(parser: argparse.ArgumentParser) -> Handler:
 
         import numpy as np
 
-        from mlx_pte.interpreter.generation import generate
         from mlx_pte.interpreter.program import load
         from mlx_pte.interpreter.session import Session
+        from mlx_pte.serving.generation import generate
         import mlx.core as mx
 
         program = load(args.model, tokenizer=args.tokenizer)
@@ -450,7 +421,7 @@ def bench_command(parser: argparse.ArgumentParser) -> Handler:
 
         once(min(8, len(prompt)), 4)
         mx.reset_peak_memory()
-        runs = [once(len(prompt), args.generate) for _ in range(max(1, args.repeats))]
+        runs = [once(len(prompt), args.generate) for _ in range(args.repeats)]
         prefill = statistics.median(r.prefill_tps for r in runs)
         decode = statistics.median(r.decode_tps for r in runs)
         print(f"{args.model}: cache {args.cache}, prompt {args.prompt_tokens}, generate {args.generate}, "

@@ -86,7 +86,7 @@ def test_held_out_loss_is_far_below_an_untrained_model(tokenizer, model, metrics
 def test_exported_pte_generates_hf_greedy_tokens(model, tokenizer, tmp_path):
     """The bundled model through the real pipeline (export → .pte → MLX) decodes like HF."""
     from mlx_pte.export.hf_export import export_hf
-    from mlx_pte.interpreter import Session, generate, load
+    from mlx_pte import Session, generate, load
 
     prompt = tokenizer.encode("The for statement")
     with torch.no_grad():

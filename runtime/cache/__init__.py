@@ -4,6 +4,7 @@ It decides where each step's K/V go, what each query may read, and whether a req
 admitted. Byte layers (``runtime.mlx``, ``runtime.reference``) subclass the kinds here
 and read the declared step's plan.
 """
+from .admission import footprint, sample_share
 from .base import CacheBase, IdPool
 from .batched import BatchedSequenceCache
 from .cells import CellCache, CellStepPlan

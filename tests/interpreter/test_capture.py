@@ -21,7 +21,7 @@ from mlx_pte.interpreter.capture import Segment, bucket
 from mlx_pte.interpreter.program import load
 from mlx_pte.interpreter.session import Session
 from mlx_pte.runtime.cache import KINDS
-from tests.interpreter.conftest import exported_pte
+from tests.fixtures.exported import exported_pte
 
 PROMPT = [5, 17, 3, 99, 42, 8, 61, 23, 7, 11, 30, 2, 54]
 LOGITS_ATOL = 1e-4  # fused kernels may reorder float sums; tokens must still agree

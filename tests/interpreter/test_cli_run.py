@@ -5,7 +5,7 @@ import pytest
 
 from mlx_pte.cli import main
 
-from .conftest import exported_pte
+from tests.fixtures.exported import exported_pte
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +97,7 @@ def test_a_jsonl_line_with_a_lone_surrogate_is_one_error_line(pte, tmp_path, cap
 
 
 def test_a_tiny_temperature_is_greedy_without_warnings(pte, capsys):
-    from mlx_pte.interpreter import sampling
+    from mlx_pte.serving import sampling
 
     if not hasattr(sampling, "GREEDY_TEMPERATURE"):
         pytest.skip("the tiny-temperature rule of SamplingParams (issue 12, item 2) is not merged here")
@@ -111,9 +111,30 @@ def test_a_tiny_temperature_is_greedy_without_warnings(pte, capsys):
     assert tiny == capsys.readouterr().out  # the same text as greedy
 
 
-def test_serve_on_an_impossible_port_is_one_error_line(pte, capsys):
-    assert main(["serve", str(pte), "--port", "99999"]) == 1
-    assert "--port must be a TCP port" in one_error_line(capsys.readouterr())
+@pytest.mark.parametrize("command, flags, name", [
+    ("serve", ["--port", "99999"], "--port"),
+    ("serve", ["--capacity", "0"], "--capacity"),
+    ("serve", ["--max-seqs", "-2"], "--max-seqs"),
+    ("serve", ["--cache", "single"], "--cache"),
+    ("bench", ["--repeats", "0"], "--repeats"),
+    ("run", ["--prompt", "hi", "--max-batch-tokens", "0"], "--max-batch-tokens"),
+])  # fmt: skip
+def test_bad_engine_and_server_flags_are_one_error_line_naming_the_flag(pte, capsys, command, flags, name):
+    with pytest.raises(SystemExit) as exit_:
+        main([command, str(pte), *flags])
+    assert exit_.value.code == 2
+    assert f"argument {name}:" in one_error_line(capsys.readouterr())
+
+
+def test_each_command_states_its_own_capacity_default(capsys):
+    helps = {}
+    for command in ("run", "serve", "bench"):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        helps[command] = " ".join(capsys.readouterr().out.split())
+    assert "default: the model's max context with --prompt, 4 x it with --prompts" in helps["run"]
+    assert "default: 4 x the model's max context" in helps["serve"]
+    assert "(batched-sequence); default: the model's max context" in helps["bench"]
 
 
 def test_inspect_into_a_closed_pipe_exits_quietly(pte):

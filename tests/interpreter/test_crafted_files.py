@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from mlx_pte.cli import main
 from mlx_pte.interpreter.chat_template import ChatTemplateError
-from mlx_pte.interpreter.generation import generate
+from mlx_pte.serving.generation import generate
 from mlx_pte.interpreter.program import Program
 from mlx_pte.interpreter.session import Session
 from mlx_pte.interpreter.text import TextCodec
@@ -22,7 +22,7 @@ from mlx_pte.ir.pte import read_pte
 from tests.fixtures.crafted_pte import craft_payload, write_pte
 from tests.ir.test_fuzz import time_limit
 
-from .conftest import exported_pte
+from tests.fixtures.exported import exported_pte
 
 CLEAR = (FormatError, ChatTemplateError)
 

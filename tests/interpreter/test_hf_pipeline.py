@@ -15,7 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from mlx_pte.export.hf_export import export_hf
-from mlx_pte.interpreter.generation import generate
+from mlx_pte.serving.generation import generate
 from mlx_pte.interpreter.program import Program, load
 from mlx_pte.interpreter.session import Session
 from mlx_pte.runtime.cache import KINDS

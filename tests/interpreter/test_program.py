@@ -95,14 +95,32 @@ def test_load_refuses_a_truncated_program(tmp_path):
         load(path)
 
 
-def test_the_interpreter_never_imports_torch():
+def _import_all(packages: str, check: str) -> None:
+    """In a fresh interpreter, import every module of ``packages`` then assert ``check``."""
     code = (
         "import importlib, pkgutil, sys\n"
-        "import mlx_pte.interpreter, mlx_pte.ir, mlx_pte.ir.upstream\n"
-        "for pkg in (mlx_pte.interpreter, mlx_pte.ir, mlx_pte.ir.upstream):\n"
+        f"packages = [importlib.import_module(p) for p in {packages.split()!r}]\n"
+        "for pkg in packages:\n"
         "    for m in pkgutil.iter_modules(pkg.__path__):\n"
-        "        importlib.import_module(f'{pkg.__name__}.{m.name}')\n"
-        "heavy = [m for m in ('torch', 'executorch', 'transformers') if m in sys.modules]\n"
-        "assert not heavy, heavy\n"
+        "        if m.name != '_generated':\n"
+        "            importlib.import_module(f'{pkg.__name__}.{m.name}')\n"
+        f"{check}\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_the_on_device_side_never_imports_torch():
+    _import_all(
+        "mlx_pte.serving mlx_pte.interpreter mlx_pte.ir mlx_pte.ir.upstream mlx_pte.runtime.cache mlx_pte.runtime.mlx",
+        "heavy = [m for m in ('torch', 'executorch', 'transformers') if m in sys.modules]; assert not heavy, heavy",
+    )
+
+
+def test_layers_import_only_downwards():
+    """serving -> interpreter -> runtime, ir: the interpreter never reaches up into serving
+    or the face's command line."""
+    _import_all(
+        "mlx_pte.interpreter mlx_pte.ir mlx_pte.runtime.cache mlx_pte.runtime.mlx",
+        "up = [m for m in sys.modules if m.startswith(('mlx_pte.serving', 'mlx_pte.cli', 'mlx_pte.arguments'))]; "
+        "assert not up, up",
+    )

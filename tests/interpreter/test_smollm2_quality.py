@@ -17,7 +17,7 @@ import mlx_pte.runtime.mlx.blas  # noqa: F401
 import mlx.core as mx
 
 from mlx_pte.export.hf_export import export_hf
-from mlx_pte.interpreter.generation import generate
+from mlx_pte.serving.generation import generate
 from mlx_pte.interpreter.program import Program, load
 from mlx_pte.interpreter.text import TextCodec
 from mlx_pte.ir.manifest import Manifest

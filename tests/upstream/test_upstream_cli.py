@@ -11,9 +11,10 @@ from starlette.testclient import TestClient
 from transformers import AutoModelForCausalLM
 
 from mlx_pte.cli import main
-from mlx_pte.interpreter.generation import generate
+from mlx_pte.serving.generation import generate
 from mlx_pte.interpreter.program import load
-from mlx_pte.interpreter.server import build_engine, create_app
+from mlx_pte.serving.app import create_app
+from mlx_pte.serving.engine import open_engine
 from mlx_pte.interpreter.text import TokenizerMissing
 from tests.interpreter.test_cli_run import one_error_line
 
@@ -85,7 +86,7 @@ def test_bench_runs_without_a_tokenizer(files, capsys):
 
 def test_serve_completes_text_with_the_given_tokenizer(files, hf_continuation):
     pte, checkpoint = files
-    engine = build_engine(str(pte), "batched-sequence", capacity=256, tokenizer=str(checkpoint))
+    engine = open_engine(str(pte), "batched-sequence", capacity=256, tokenizer=str(checkpoint))
     with TestClient(create_app(engine, "gemma3-upstream")) as client:
         response = client.post(
             "/v1/completions",
@@ -99,7 +100,7 @@ def test_an_upstream_file_runs_without_torch_or_executorch(files):
     pte, checkpoint = files
     code = (
         "import sys\n"
-        "from mlx_pte.interpreter import load, generate\n"
+        "from mlx_pte import load, generate\n"
         f"program = load({str(pte)!r}, tokenizer={str(checkpoint)!r})\n"
         "print(generate(program.session('batched-sequence'), 'The for', max_new_tokens=4).text)\n"
         "heavy = [m for m in ('torch', 'executorch', 'transformers') if m in sys.modules]\n"

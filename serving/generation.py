@@ -12,8 +12,10 @@ from mlx_pte.runtime.cache import CacheRefused, Step
 
 from .device_sampling import TokenStream, draw
 from .sampling import SamplingParams
-from .session import Session
-from .text import IncrementalDecoder, TextCodec
+from mlx_pte.interpreter.session import Session
+from mlx_pte.interpreter.text import TextCodec
+
+from .detokenizer import IncrementalDecoder
 
 
 class GenerationError(ValueError):

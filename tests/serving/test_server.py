@@ -12,11 +12,11 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from mlx_pte.interpreter.engine import Engine
-from mlx_pte.interpreter.server import create_app
+from mlx_pte.serving.engine import Engine
+from mlx_pte.serving.app import create_app
 from mlx_pte.interpreter.text import TextCodec
 from mlx_pte.ir.manifest import Manifest
-from tests.interpreter.live_server import serving
+from tests.serving.live_server import serving
 
 
 MODEL = "tiny-llama"
@@ -126,7 +126,7 @@ def test_n_samples_and_usage_in_a_stream(base_url, oracle):  # noqa: F811
         ("/v1/completions", {"prompt": "hi", "top_p": 0}, 400, None, None),
         ("/v1/completions", {"max_tokens": 3}, 400, None, "prompt"),
         ("/v1/completions", {"prompt": [1, 99_999]}, 400, None, None),
-        ("/v1/completions", {"prompt": "hi", "logprobs": 2}, 400, None, "logprobs"),
+        ("/v1/completions", {"prompt": "hi", "logprobs": 6}, 400, None, "logprobs"),
         ("/v1/chat/completions", {"messages": "hello"}, 400, None, "messages"),
         ("/v1/nowhere", {}, 404, None, None),
     ],

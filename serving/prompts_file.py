@@ -7,14 +7,13 @@ first non-blank line is a JSON object. Every line is checked before anything run
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 from typing import Any, Mapping, Optional, TextIO
 
-from .engine import KIND_BATCHED_SEQUENCE, Engine, EngineError, EngineStats, RequestHandle
-from .server import ApiError, build_engine, parse_request
+from .engine import Engine, EngineError, EngineStats, RequestHandle
+from .openai_request import ApiError, parse_request
 
 
 class PromptsFileError(ValueError):
@@ -75,6 +74,8 @@ def run_prompts_file(engine: Engine, path: Path, defaults: Optional[Mapping[str,
             parsed = parse_request(body, engine, chat="messages" in body)
         except ApiError as exc:
             raise PromptsFileError(f"{path}:{number}: {exc.message}") from None
+        if parsed.request.logprobs is not None:  # refused, not dropped: the printout has no place for them
+            raise PromptsFileError(f"{path}:{number}: 'logprobs' are not printed by run --prompts; remove it")
         requests.append((number, parsed.request))
     handles: list[tuple[int, RequestHandle]] = []
     for number, request in requests:
@@ -98,20 +99,3 @@ def run_prompts_file(engine: Engine, path: Path, defaults: Optional[Mapping[str,
         file=out,
     )
     return stats
-
-
-def run_prompts_main(args: argparse.Namespace) -> int:
-    """``mlx-pte run MODEL.pte --prompts FILE``: ``args`` carries ``model``, ``prompts``,
-    ``cache`` (None: batched-sequence), ``kv_dtype``, ``max_new_tokens``, ``temperature``,
-    ``top_k``, ``top_p``, ``seed``, ``tokenizer`` and the options of ``server.add_batching_arguments``."""
-    engine = build_engine(args.model, args.cache or KIND_BATCHED_SEQUENCE, args.capacity, args.max_batch_tokens,
-                          args.max_seqs, args.kv_dtype, args.tokenizer)
-    defaults = {
-        "max_tokens": args.max_new_tokens,
-        "temperature": args.temperature,
-        "top_k": args.top_k,
-        "top_p": args.top_p,
-        "seed": args.seed,
-    }
-    run_prompts_file(engine, Path(args.prompts), {k: v for k, v in defaults.items() if v is not None})
-    return 0

@@ -17,12 +17,12 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from mlx_pte.interpreter.engine import Engine
-from mlx_pte.interpreter.request_body import BodyLimits
-from mlx_pte.interpreter import device_sampling
-from mlx_pte.interpreter.server import create_app
-from mlx_pte.interpreter.slow_clients import header_timeout_protocol
-from tests.interpreter.live_server import serving
+from mlx_pte.serving.engine import Engine
+from mlx_pte.serving.request_body import BodyLimits
+from mlx_pte.serving import device_sampling
+from mlx_pte.serving.app import create_app
+from mlx_pte.serving.slow_clients import header_timeout_protocol
+from tests.serving.live_server import serving
 
 TIMEOUT = 60.0
 NORMAL = {"prompt": "The quick brown", "max_tokens": 3, "temperature": 0, "ignore_eos": True}

@@ -11,14 +11,14 @@ import threading
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from mlx_pte.interpreter.engine import (
+from mlx_pte.serving.engine import (
     Engine,
     Request,
     RequestFailed,
     RequestRejected,
     Status,
 )
-from mlx_pte.interpreter.sampling import SamplingParams
+from mlx_pte.serving.sampling import SamplingParams
 from mlx_pte.interpreter.text import TextCodec
 from mlx_pte.ir.manifest import Manifest
 

@@ -1,0 +1,238 @@
+"""The OpenAI-compatible HTTP app over the batching engine.
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (the manifest's chat
+template), both streaming as server-sent events when ``"stream": true``; ``GET
+/v1/models``; ``GET /health``. The engine runs on one worker thread; each HTTP request
+waits on its own handle, so one bad or abandoned request never touches another.
+
+starlette and uvicorn are imported only when an app is built or served, so the command
+line that parses ``serve``'s flags does not load them.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import AsyncIterator
+
+from .engine import Engine, EngineError, Event
+from .openai_request import ApiError, ApiRequest, parse_request
+from .openai_response import Reply, sse
+from .request_body import BodyError, BodyLimits, ClientGone, parse_json, read_body
+
+log = logging.getLogger("uvicorn.error")  # uvicorn configures it: one line per event in its log
+
+DEFAULT_HEADER_TIMEOUT = 10.0
+DEFAULT_KEEP_ALIVE = 5.0  # uvicorn's default
+
+
+class _Listener:
+    """Carries a request's events from the engine thread into the server's event loop."""
+
+    def __init__(self, n: int) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue[Event] = asyncio.Queue()
+        self.open = n  # samples not yet finished
+
+    def __call__(self, event: Event) -> None:  # on the engine thread
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+
+    async def events(self) -> AsyncIterator[Event]:
+        """Events until every sample finished; raises ApiError when the request failed."""
+        while self.open:
+            event = await self.queue.get()
+            if event.error is not None:
+                raise ApiError(500, event.error, kind="server_error")
+            if event.finish_reason is not None:
+                self.open -= 1
+            yield event
+
+
+async def _disconnected(receive) -> None:
+    """Returns when the client has gone (after its body was read, ``receive`` only reports that)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _until_done_or_gone(listener: _Listener, receive) -> bool:
+    """Wait for every event of a non-streaming request; False if the client left first."""
+
+    async def drain() -> None:
+        async for _ in listener.events():
+            pass
+
+    finished = asyncio.ensure_future(drain())
+    gone = asyncio.ensure_future(_disconnected(receive))
+    try:
+        await asyncio.wait({finished, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (finished, gone):
+            task.cancel()
+    if finished.done() and not finished.cancelled():
+        finished.result()  # raises the request's ApiError, if it failed
+        return True
+    return False
+
+
+def _error_response(error: ApiError, close: bool = False):
+    from starlette.responses import JSONResponse
+
+    return JSONResponse(error.body(), status_code=error.status, headers={"connection": "close"} if close else None)
+
+
+def create_app(engine: Engine, model_id: str, limits: BodyLimits = BodyLimits()):
+    """The starlette app serving ``engine`` as ``model_id``; it starts and stops the engine.
+
+    ``limits`` bound each request body (size, and seconds per chunk).
+    """
+    from starlette.applications import Starlette
+    from starlette.concurrency import run_in_threadpool
+    from starlette.exceptions import HTTPException
+    from starlette.requests import Request as HttpRequest
+    from starlette.responses import JSONResponse, Response, StreamingResponse
+    from starlette.routing import Route
+
+    created = int(time.time())
+
+    def parse(raw: bytes, chat: bool) -> ApiRequest:  # on a worker thread: parsing and tokenizing
+        try:
+            body = parse_json(raw)
+        except BodyError as exc:
+            raise ApiError(exc.status, str(exc), code=exc.code) from None
+        if isinstance(body, dict) and body.get("model") not in (None, model_id):
+            raise ApiError(404, f"the model {str(body['model'])[:100]!r} does not exist; this server serves "
+                                f"{model_id!r}", "model", "model_not_found")
+        parsed = parse_request(body, engine, chat)
+        needs = ("response_format" if parsed.request.grammar is not None
+                 else "logprobs" if parsed.request.logprobs is not None else None)
+        if needs:  # the grammar engine's vocabulary: built here on first use (~0.3 s), not on the event loop
+            try:
+                engine.vocabulary()
+            except EngineError as exc:
+                raise ApiError(400, str(exc), needs) from None
+        return parsed
+
+    async def run(http: HttpRequest, chat: bool):
+        try:
+            raw = await read_body(http.receive, http.headers, limits)
+        except BodyError as exc:  # the rest of the body is not read: the connection closes
+            return _error_response(ApiError(exc.status, str(exc), code=exc.code), close=True)
+        parsed = await run_in_threadpool(parse, raw, chat)
+        listener = _Listener(parsed.request.n)
+        vocabulary = engine.vocabulary() if parsed.request.logprobs is not None else None  # built by parse
+        try:
+            handle = engine.submit(parsed.request, on_event=listener)
+        except EngineError as exc:  # malformed, or can never fit this engine
+            raise ApiError(400, str(exc)) from None
+        reply = Reply.new(model_id, chat, vocabulary)
+        if not parsed.stream:
+            try:
+                if not await _until_done_or_gone(listener, http.receive):
+                    log.info("%s: client disconnected; request %d cancelled", _peer(http), handle.id)
+                    return Response(status_code=204)  # nobody reads it
+            finally:
+                if not handle.done:  # the client went away, or the wait failed
+                    handle.cancel()
+            return JSONResponse(reply.full(handle.result(timeout=0)))
+
+        async def stream():
+            try:
+                if chat:
+                    for i in range(parsed.request.n):
+                        yield sse(reply.chunk(i, None, role=True))
+                seen: dict[int, bytes] = {}  # each choice's token bytes so far (logprobs' text offsets)
+                async for event in listener.events():
+                    records = (event.logprob,) if event.logprob is not None else ()
+                    if event.text or event.finish_reason or records:
+                        before = seen.get(event.index, b"")
+                        yield sse(reply.chunk(event.index, event.text, event.finish_reason,
+                                              logprobs=records, before=before))
+                        if records and vocabulary is not None:
+                            seen[event.index] = before + vocabulary.token_bytes(event.logprob.token)
+                if parsed.include_usage:
+                    yield sse(reply.usage_chunk(handle.result(timeout=0)))
+            except ApiError as exc:
+                yield sse(exc.body())
+            except Exception as exc:  # headers are sent: the error travels as an event
+                log.error("request %d failed while streaming: %s: %s", handle.id, type(exc).__name__, exc)
+                yield sse(ApiError(500, f"{type(exc).__name__}: {exc}", kind="server_error").body())
+            finally:
+                if not handle.done:
+                    handle.cancel()
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(stream(), media_type="text/event-stream")
+
+    def guarded(handler):
+        """Every outcome of ``handler`` is a response: errors never reach uvicorn, so the
+        connection stays usable and the log gets one line, not a traceback."""
+
+        async def endpoint(http: HttpRequest):
+            try:
+                return await handler(http)
+            except ApiError as exc:
+                return _error_response(exc)
+            except ClientGone:
+                log.info("%s: client disconnected before its request body was complete", _peer(http))
+                return Response(status_code=204)
+            except Exception as exc:
+                log.error("%s %s failed: %s: %s", http.method, http.url.path, type(exc).__name__, exc)
+                return _error_response(ApiError(500, f"{type(exc).__name__}: {exc}", kind="server_error"))
+
+        return endpoint
+
+    async def completions(http: HttpRequest):
+        return await run(http, chat=False)
+
+    async def chat_completions(http: HttpRequest):
+        return await run(http, chat=True)
+
+    async def models(_: HttpRequest):
+        return JSONResponse({"object": "list", "data": [
+            {"id": model_id, "object": "model", "created": created, "owned_by": "mlx-pte"}]})
+
+    async def health(_: HttpRequest):
+        return JSONResponse({"status": "ok"})
+
+    async def http_error(_: HttpRequest, exc: HTTPException):
+        return _error_response(ApiError(exc.status_code, str(exc.detail)))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):
+        engine.start()
+        try:
+            yield
+        finally:
+            engine.stop(timeout=30)
+
+    return Starlette(
+        routes=[
+            Route("/v1/completions", guarded(completions), methods=["POST"]),
+            Route("/v1/chat/completions", guarded(chat_completions), methods=["POST"]),
+            Route("/v1/models", guarded(models), methods=["GET"]),
+            Route("/health", guarded(health), methods=["GET"]),
+        ],
+        exception_handlers={HTTPException: http_error},
+        lifespan=lifespan,
+    )
+
+
+def _peer(http) -> str:
+    client = http.client
+    return f"{client.host}:{client.port}" if client else "client"
+
+
+def serve(engine: Engine, model_id: str, host: str, port: int, limits: BodyLimits = BodyLimits(),
+          header_timeout: float = DEFAULT_HEADER_TIMEOUT, keep_alive: float = DEFAULT_KEEP_ALIVE) -> None:
+    """Serve ``engine`` as ``model_id`` on ``host:port`` until interrupted.
+
+    ``header_timeout``: seconds a client has to send a request's headers (else 408 and
+    close); ``keep_alive``: seconds an idle keep-alive connection stays open.
+    """
+    import uvicorn
+
+    from .slow_clients import header_timeout_protocol
+
+    uvicorn.run(create_app(engine, model_id, limits), host=host, port=port, log_level="info",
+                http=header_timeout_protocol(header_timeout), timeout_keep_alive=keep_alive)
