@@ -358,15 +358,10 @@ define(OpSpec("where", ("cond", "a", "b"), output_rule="broadcast shape of the t
 define(OpSpec("cast", ("x",), _attrs(("dtype", "dtype")), output_rule="x's shape, the given dtype"))
 
 # Reductions over ``dims`` (non-negative, sorted).
+_REDUCTION_ATTRS = _attrs(("dims", "ints", True, "sorted_axes"), ("keepdim", "bool"))
 for _name in REDUCTIONS:
-    define(
-        OpSpec(
-            _name,
-            ("x",),
-            _attrs(("dims", "ints", True, "sorted_axes"), ("keepdim", "bool")),
-            output_rule="x reduced over dims (kept as size 1 if keepdim); dtype of x",
-        )
-    )
+    define(OpSpec(_name, ("x",), _REDUCTION_ATTRS,
+                  output_rule="x reduced over dims (kept as size 1 if keepdim); dtype of x"))  # fmt: skip
 define(
     OpSpec(
         "argmax",
@@ -623,20 +618,14 @@ for _name in UPSTREAM_UNARY:
 for _name in UPSTREAM_BINARY:
     define(OpSpec(_name, ("a", "b"), output_rule="broadcast shape of a and b; MLX's type promotion"))
 for _name in UPSTREAM_REDUCTIONS:
-    define(
-        OpSpec(
-            _name,
-            ("x",),
-            _attrs(("dims", "ints", True, "sorted_axes"), ("keepdim", "bool")),
-            output_rule="x reduced over dims (kept as size 1 if keepdim); bool for any/all, else dtype of x",
-        )
-    )
+    define(OpSpec(_name, ("x",), _REDUCTION_ATTRS,
+                  output_rule="x reduced over dims (kept as size 1 if keepdim); bool for any/all, else dtype of x"))
 for _name in ("var", "std"):
     define(
         OpSpec(
             _name,
             ("x",),
-            _attrs(("dims", "ints", True, "sorted_axes"), ("keepdim", "bool"), ("ddof", "int")),
+            _REDUCTION_ATTRS + _attrs(("ddof", "int")),
             output_rule="x's variance (std: its square root) over dims, divided by count - ddof; dtype of x",
         )
     )
