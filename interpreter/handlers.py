@@ -571,6 +571,17 @@ def _sdpa(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx.array:
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=attrs["scale"], mask=mask)
 
 
+@handles("scatter_add")
+def _scatter_add(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx.array:
+    x, index, updates = args
+    dim = attrs["dim"] % x.ndim
+    # Every element's full coordinates: its own along each axis, index's along dim.
+    coords = [mx.arange(n).reshape([-1 if i == axis else 1 for i in range(index.ndim)])
+              for axis, n in enumerate(index.shape)]  # fmt: skip
+    coords[dim] = index
+    return x.at[tuple(coords)].add(updates)
+
+
 # One catalog: an op without a handler (or a handler without an op) is a bug here.
 _missing = sorted(set(CATALOG) - set(HANDLERS))
 _extra = sorted(set(HANDLERS) - set(CATALOG))

@@ -698,8 +698,17 @@ define(
         "heads; a bool mask selects, a float mask adds; causal masks the upper right (MLX's fast sdpa)",
     )
 )
+define(
+    OpSpec(
+        "scatter_add",
+        ("x", "index", "updates"),
+        _attrs(("dim", "int", True, "axis")),
+        output_rule="like x, plus each updates[i...] at x[i...] with axis dim replaced by index[i...] "
+        "(torch's scatter_add: index and updates of one shape, x's rank)",
+    )
+)
 UPSTREAM_ONLY = frozenset(
     UPSTREAM_UNARY + UPSTREAM_BINARY + UPSTREAM_REDUCTIONS
     + ("var", "std", "round", "tril", "triu", "cumsum", "roll", "full_like", "sort", "argsort", "partition",
-       "argpartition", "flip", "repeat_interleave", "pad", "sdpa")
+       "argpartition", "flip", "repeat_interleave", "pad", "sdpa", "scatter_add")
 )  # fmt: skip

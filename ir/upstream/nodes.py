@@ -416,6 +416,12 @@ def _sdpa(b: ImportBuilder, n: Any) -> None:
     b.emit("sdpa", inputs, (b.write(n.out),), scale=float(n.scale), causal=bool(n.causal))
 
 
+@translates("ScatterAddNode")
+def _scatter_add(b: ImportBuilder, n: Any) -> None:
+    inputs = (b.read(n.x), b.read(n.indices), b.read(n.updates))
+    b.emit("scatter_add", inputs, (b.write(n.out),), dim=n.axis)
+
+
 def _quantization(b: ImportBuilder, n: Any) -> dict[str, Any]:
     return dict(group_size=n.groupSize, bits=n.bits, mode=b.text(n.mode))
 

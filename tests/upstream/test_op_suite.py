@@ -28,7 +28,7 @@ UPSTREAM_OP_CLASSES = (
     "log2", "log10", "log1p", "expm1", "sign", "bitwise_not_int", "atan2", "logaddexp", "floor_divide",
     "remainder", "bitwise_and_int", "bitwise_or_int", "bitwise_xor_int", "prod", "logsumexp", "any", "all",
     "var", "std", "round", "tril", "triu", "cumsum", "roll", "full_like", "sort", "argsort", "topk", "flip",
-    "repeat_interleave", "pad", "sdpa", "max_global",
+    "repeat_interleave", "pad", "sdpa", "scatter_add", "max_global",
 )  # fmt: skip
 
 
