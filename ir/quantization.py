@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
 from .errors import FormatError
-from .graph import Graph, Instruction, TensorType
+from .graph import UNTYPED_TENSOR, Graph, Instruction, TensorType
 
 FLOAT_DTYPES = ("float32", "float16", "bfloat16")
 PACKED_DTYPE = "uint32"
@@ -147,7 +147,9 @@ class QuantizedConstant:
     biases: Optional[int]
     spec: QuantSpec
     shape: tuple[int, int]  # [N, K]
-    dtype: str  # of the dequantized values (what full precision would store)
+    # Of the dequantized values (what full precision would store); None: a linear of an fp
+    # mode whose input's dtype is not recorded (an imported upstream program's temps).
+    dtype: Optional[str]
 
     @property
     def slots(self) -> tuple[int, ...]:
@@ -186,7 +188,7 @@ def read_constant(instr: Instruction, graph: Graph) -> QuantizedConstant:
         dtype = s.dtype
     else:
         dtype = instr.attr("dtype") if instr.op == "quantized_embedding" else graph.slots[instr.inputs[0]].type.dtype
-    if dtype not in FLOAT_DTYPES or spec.unfit_reason(shape):
+    if (dtype is not None and dtype not in FLOAT_DTYPES) or spec.unfit_reason(shape):
         raise FormatError(f"{where}: {spec.describe()} cannot pack a {dtype}{list(shape)} weight")
     _, want_scales, want_biases = spec.parts(shape, dtype)
     for name, slot, want in (("scales", s_slot, want_scales), ("biases", b_slot, want_biases)):
@@ -213,12 +215,16 @@ def check_operands(instr: Instruction, graph: Graph) -> None:
     n, k = qc.shape
     if instr.op == "quantized_linear":
         x, out = graph.slots[instr.inputs[0]].type, graph.slots[instr.outputs[0]].type
-        if x.dtype not in FLOAT_DTYPES or (x.shape and isinstance(x.shape[-1], int) and x.shape[-1] != k):
+        if x != UNTYPED_TENSOR and (
+            x.dtype not in FLOAT_DTYPES or (x.shape and isinstance(x.shape[-1], int) and x.shape[-1] != k)
+        ):
             raise FormatError(f"{where}: x must be a float tensor with {k} features, got {x.dtype}{list(x.shape)}")
-        if out.shape and out.shape[-1] != n:
+        if out != UNTYPED_TENSOR and out.shape and out.shape[-1] != n:
             raise FormatError(f"{where}: the result must have {n} features, the payload gives {list(out.shape)}")
     else:
         indices, out = graph.slots[instr.inputs[3]].type, graph.slots[instr.outputs[0]].type
+        if UNTYPED_TENSOR in (indices, out):  # an imported upstream program: the handler meets the shapes
+            return
         if instr.attr("dtype") != out.dtype:
             raise FormatError(f"{where}: attribute 'dtype' is {instr.attr('dtype')!r}, the result is {out.dtype}")
         if indices.dtype not in ("int64", "int32"):

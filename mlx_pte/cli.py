@@ -167,7 +167,7 @@ def describe(payload: Payload | ImportedPayload) -> list[str]:
     return lines
 
 
-def quantization_report(payload: Payload, per_tensor: bool) -> list[str]:
+def quantization_report(payload: Payload | ImportedPayload, per_tensor: bool) -> list[str]:
     """The quantized weights (bits, group size, mode, bytes; per tensor if asked), the
     weights kept at full precision with the reason, and the weight total against full
     precision. Empty for a file without quantized weights."""
@@ -177,14 +177,15 @@ def quantization_report(payload: Payload, per_tensor: bool) -> list[str]:
         return []
     recorded = payload.manifest.get("quantization")
     spec = None if recorded is None else QuantSpec.from_dict(recorded)
-    part_bytes = {slot: c.nbytes for slot, c in payload.constants.items()}
+    part_bytes = {slot: payload.constant_bytes(slot).nbytes for slot in graph.constants()}
     stored = sum(part_bytes.values())
     rows, saved = [], 0
     for qc in quantized.values():
         nbytes = sum(part_bytes.get(s, 0) for s in qc.slots)
-        full = qc.shape[0] * qc.shape[1] * ITEMSIZE[qc.dtype]
+        dtype = qc.dtype or payload.manifest["dtype"]  # unrecorded in an imported program: its model dtype
+        full = qc.shape[0] * qc.shape[1] * ITEMSIZE[dtype]
         saved += full - nbytes
-        rows.append((graph.slots[qc.weight].name, f"{qc.dtype}[{qc.shape[0]}, {qc.shape[1]}]", qc.spec.mode,
+        rows.append((graph.slots[qc.weight].name, f"{dtype}[{qc.shape[0]}, {qc.shape[1]}]", qc.spec.mode,
                      f"{qc.spec.bits}", f"{qc.spec.group_size}", f"{nbytes:,}", f"{full:,}"))  # fmt: skip
     modes = sorted({qc.spec.describe() for qc in quantized.values()})
     lines = [

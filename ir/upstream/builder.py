@@ -6,7 +6,7 @@ slot once, so every write of an id gets a fresh slot and reads see the latest on
 """
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from typing import Any, Optional, Sequence, Union
 
 from ..errors import FormatError
 from ..graph import UNTYPED_TENSOR, AttrValue, Graph, Instruction, ScalarType, SlotKind, SlotRef
@@ -14,7 +14,7 @@ from ..graph import UNTYPED_TENSOR, AttrValue, Graph, Instruction, ScalarType, S
 # ExecuTorch ScalarType codes (runtime/core/portable_type/scalar_type.h) -> IR dtypes.
 SCALAR_TYPES = {
     0: "uint8", 1: "int8", 2: "int16", 3: "int32", 4: "int64",
-    5: "float16", 6: "float32", 11: "bool", 15: "bfloat16",
+    5: "float16", 6: "float32", 11: "bool", 15: "bfloat16", 28: "uint32",
 }  # fmt: skip
 
 
@@ -28,18 +28,26 @@ class ImportBuilder:
         n_caches: how many caches its geometry publishes (``layer_id`` bound; None: unchecked,
             the caller's cache decides).
         writable_from: the first Tid instructions may write (constants and inputs come first).
+        meta: the payload's recorded tensor types, by Tid (constants, inputs and outputs only).
     """
 
     def __init__(
-        self, graph: Graph, n_tensors: int, n_values: int, n_caches: Optional[int], writable_from: int
-    ) -> None:
+        self, graph: Graph, n_tensors: int, n_values: int, n_caches: Optional[int], writable_from: int,
+        meta: Sequence[Any] = (),
+    ) -> None:  # fmt: skip
         self.graph = graph
+        self._meta = meta
         self._n_tensors, self._n_values, self._n_caches = n_tensors, n_values, n_caches
         self._writable_from = writable_from
         self._tensors: dict[int, int] = {}
         self._values: dict[int, int] = {}
         self._transposed: dict[int, int] = {}  # slot -> the constant slot it is the 2-D transpose of
+        self._rows: dict[int, tuple[int, int]] = {}  # slot -> (constant slot, indices slot) it is rows of
         self._constants: set[int] = set()
+
+    @property
+    def n_tensors(self) -> int:
+        return self._n_tensors
 
     # -- ids -> slots ---------------------------------------------------------------
     def bind(self, tid: int, slot: int) -> None:
@@ -165,3 +173,19 @@ class ImportBuilder:
     def transposed_constant(self, tid: Any) -> Optional[int]:
         """The constant slot whose transpose ``tid`` holds, if it holds one."""
         return self._transposed.get(self.read(tid))
+
+    def recorded_shape(self, tid: Any) -> Optional[tuple[int, ...]]:
+        """The shape the payload records for tensor ``tid``, a dynamic size as -1 (None when
+        it records none: only constants, inputs and outputs have one)."""
+        index = -1 if tid is None else tid.idx
+        m = self._meta[index] if 0 <= index < len(self._meta) else None
+        return None if m is None or m.shape is None else tuple(int(d.value) for d in m.shape)
+
+    def note_rows(self, out: int, x: int, indices: int) -> None:
+        if x in self._constants:
+            self._rows[out] = (x, indices)
+
+    def constant_rows(self, tid: Any) -> Optional[tuple[int, int]]:
+        """(constant slot, indices slot) when ``tid`` holds the rows ``indices`` select of a
+        constant (a gather along axis 0), else None."""
+        return self._rows.get(self.read(tid))

@@ -19,6 +19,7 @@ from ..graph import Graph, SlotKind, SymDim, TensorType
 from ..manifest import CacheLayerSpec, Manifest
 from ..payload import ITEMSIZE, check_graph
 from .builder import ImportBuilder
+from .init_chain import FOLDABLE, fold_init_chain
 from .nodes import translation
 from .reader import MAGIC, decode_graph, node_type_names
 
@@ -128,10 +129,15 @@ def _start(
             "the upstream program keeps its KV cache in graph buffers; mlx-pte runs off-graph-cache "
             "exports only (export_llm_hf --use-offgraph-cache)"
         )
-    _check_node_types(fb)  # before the constants: a quantized weight's packed dtype is no IR dtype
+    _check_node_types(fb)  # first: untranslated node types are the news, whatever else is foreign
     counts = (fb.numConstantTensors, fb.numInputTensors, fb.numOutputTensors, fb.numTempTensors)
-    builder = ImportBuilder(graph, sum(counts), fb.numValues, n_caches, fb.numConstantTensors + fb.numInputTensors)
-    weights = _bind_constants(graph, builder, fb, list(fb.tensorMeta or ()), named_data)
+    meta = list(fb.tensorMeta or ())
+    writable_from = fb.numConstantTensors + fb.numInputTensors
+    builder = ImportBuilder(graph, sum(counts), fb.numValues, n_caches, writable_from, meta)
+    weights = _bind_constants(graph, builder, fb, meta, named_data)
+    names = node_type_names()
+    inputs = range(fb.numConstantTensors, fb.numConstantTensors + fb.numInputTensors)
+    fold_init_chain(builder, [(_node_name(i, names), i.op) for i in _chains(fb)[0]], weights, inputs)
     return fb, builder, weights
 
 
@@ -248,14 +254,14 @@ def _bind_llm_inputs(builder: ImportBuilder, fb: Any, meta: list, tokens: int, p
             builder.bind(tid, cast)
 
 
-def _chains(fb: Any) -> list[Any]:
-    """The instructions run each step: the init chain (if any), then the main chain."""
+def _chains(fb: Any) -> tuple[list[Any], list[Any]]:
+    """The init chain's instructions (none if the graph has none) and the main chain's."""
     chains = fb.instructionChains
-    order = [fb.initChainIdx] if fb.initChainIdx >= 0 else []
-    order.append(fb.mainChainIdx)
-    if any(not 0 <= c < len(chains) for c in order):
-        raise FormatError(f"the upstream graph runs chain {order}, it has {len(chains)} chains")
-    return [instruction for c in order for instruction in chains[c].instructions or ()]
+    order = [fb.initChainIdx, fb.mainChainIdx]
+    if not -1 <= fb.initChainIdx < len(chains) or not 0 <= fb.mainChainIdx < len(chains):
+        raise FormatError(f"the upstream graph runs chains {order}, it has {len(chains)} chains")
+    init, main = (list(chains[c].instructions or ()) if c >= 0 else [] for c in order)
+    return init, main
 
 
 def _node_name(instruction: Any, names: Mapping[int, str]) -> str:
@@ -266,20 +272,23 @@ def _node_name(instruction: Any, names: Mapping[int, str]) -> str:
 
 
 def _check_node_types(fb: Any) -> None:
-    """UnsupportedNodeError listing every node type without a translation."""
+    """UnsupportedNodeError listing every node type without a translation (in the init chain:
+    without a fold)."""
     names = node_type_names()
     unsupported: dict[str, int] = {}
-    for instruction in _chains(fb):
-        name = _node_name(instruction, names)
-        if instruction.op is None or translation(name) is None:
-            unsupported[name] = unsupported.get(name, 0) + 1
+    init, main = _chains(fb)
+    for chain, known in ((init, lambda name: name in FOLDABLE), (main, lambda name: translation(name) is not None)):
+        for instruction in chain:
+            name = _node_name(instruction, names)
+            if instruction.op is None or not known(name):
+                unsupported[name] = unsupported.get(name, 0) + 1
     if unsupported:
         raise UnsupportedNodeError(unsupported)
 
 
 def _translate(builder: ImportBuilder, fb: Any) -> None:
     names = node_type_names()
-    for instruction in _chains(fb):
+    for instruction in _chains(fb)[1]:
         translation(_node_name(instruction, names))(builder, instruction.op)
 
 

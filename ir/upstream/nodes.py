@@ -19,15 +19,25 @@ _UNARY = {
     "NegNode": "neg", "AbsNode": "abs", "ExpNode": "exp", "LogNode": "log", "SqrtNode": "sqrt",
     "RsqrtNode": "rsqrt", "SinNode": "sin", "CosNode": "cos", "TanhNode": "tanh",
     "SigmoidNode": "sigmoid", "SiluNode": "silu", "ErfNode": "erf", "ReciprocalNode": "reciprocal",
-    "LogicalNotNode": "logical_not",
+    "LogicalNotNode": "logical_not", "FloorNode": "floor", "CeilNode": "ceil", "TruncNode": "trunc",
+    "TanNode": "tan", "ArcsinNode": "asin", "ArccosNode": "acos", "ArctanNode": "atan", "SinhNode": "sinh",
+    "CoshNode": "cosh", "ArcsinhNode": "asinh", "ArccoshNode": "acosh", "ArctanhNode": "atanh",
+    "Log2Node": "log2", "Log10Node": "log10", "Log1pNode": "log1p", "Expm1Node": "expm1", "SignNode": "sign",
+    "BitwiseInvertNode": "bitwise_not",
 }  # fmt: skip
 _BINARY = {
     "AddNode": "add", "SubtractNode": "sub", "MultiplyNode": "mul", "DivideNode": "div",
     "PowerNode": "pow", "MaximumNode": "maximum", "MinimumNode": "minimum", "LessNode": "lt",
     "LessEqualNode": "le", "GreaterNode": "gt", "GreaterEqualNode": "ge", "EqualNode": "eq",
     "NotEqualNode": "ne", "LogicalAndNode": "logical_and", "LogicalOrNode": "logical_or",
+    "Atan2Node": "atan2", "LogAddExpNode": "logaddexp", "FloorDivideNode": "floor_divide",
+    "RemainderNode": "remainder", "BitwiseAndNode": "bitwise_and", "BitwiseOrNode": "bitwise_or",
+    "BitwiseXorNode": "bitwise_xor",
 }  # fmt: skip
-_REDUCTIONS = {"SumNode": "sum", "MeanNode": "mean", "MaxNode": "amax", "MinNode": "amin"}
+_REDUCTIONS = {
+    "SumNode": "sum", "MeanNode": "mean", "MaxNode": "amax", "MinNode": "amin", "ProdNode": "prod",
+    "LogSumExpNode": "logsumexp", "AnyNode": "any", "AllNode": "all", "VarNode": "var", "StdNode": "std",
+}  # fmt: skip
 _SCALAR = {
     "AddIntNode": "scalar_add", "SubtractIntNode": "scalar_sub",
     "MultiplyIntNode": "scalar_mul", "FloorDivideIntNode": "scalar_floordiv",
@@ -58,9 +68,24 @@ def _binary(op: str) -> Translation:
 
 def _reduction(op: str) -> Translation:
     def translate(b: ImportBuilder, n: Any) -> None:
-        if n.axes is None or len(n.axes) == 0:
-            raise FormatError(f"a {op} over every axis (no axes given) is not supported")
-        b.emit(op, (b.read(n.x),), (b.write(n.out),), dims=_ints(n.axes), keepdim=bool(n.keepdims))
+        x = b.read(n.x)
+        extra = {"ddof": n.ddof} if op in ("var", "std") else {}
+        if n.axes is not None and len(n.axes):
+            b.emit(op, (x,), (b.write(n.out),), dims=_ints(n.axes), keepdim=bool(n.keepdims), **extra)
+            return
+        # Over every axis (no axes given): of the flattened values; keepdims gives the
+        # result the operand's rank, which only the result's recorded type says.
+        flat = b.temp()
+        b.emit("view", (x,), (flat,), shape=(-1,))
+        if not n.keepdims:
+            b.emit(op, (flat,), (b.write(n.out),), dims=(0,), keepdim=False, **extra)
+            return
+        shape = b.recorded_shape(n.out)
+        if shape is None:
+            raise FormatError(f"a {op} over every axis keeping dims needs the result's rank, which is not recorded")
+        reduced = b.temp()
+        b.emit(op, (flat,), (reduced,), dims=(0,), keepdim=True, **extra)
+        b.emit("view", (reduced,), (b.write(n.out),), shape=(1,) * len(shape))
 
     return translate
 
@@ -72,6 +97,11 @@ def _scalar(op: str) -> Translation:
 for _table, _make in ((_UNARY, _unary), (_BINARY, _binary), (_REDUCTIONS, _reduction), (_SCALAR, _scalar)):
     for _node, _op in _table.items():
         TRANSLATIONS[_node] = _make(_op)
+
+
+@translates("NoopNode")
+def _noop(b: ImportBuilder, n: Any) -> None:
+    pass
 
 
 @translates("IdCopyNode", "ContiguousNode")
@@ -183,9 +213,15 @@ def _expand_dims(b: ImportBuilder, n: Any) -> None:
 
 @translates("SqueezeNode")
 def _squeeze(b: ImportBuilder, n: Any) -> None:
-    if n.dims is None or len(n.dims) == 0:
-        raise FormatError("a SqueezeNode without dims (squeeze every size-1 axis) is not supported")
-    b.emit("squeeze", (b.read(n.x),), (b.write(n.out),), dims=_ints(n.dims))
+    if n.dims is not None and len(n.dims):
+        b.emit("squeeze", (b.read(n.x),), (b.write(n.out),), dims=_ints(n.dims))
+        return
+    # Every size-1 axis: which ones only the result's recorded shape says (one dynamic size at most).
+    shape = b.recorded_shape(n.out)
+    if shape is None or shape.count(-1) > 1:
+        raise FormatError("a SqueezeNode without dims (squeeze every size-1 axis) is supported on a result of "
+                          "recorded shape only")  # fmt: skip
+    b.emit("view", (b.read(n.x),), (b.write(n.out),), shape=shape)
 
 
 @translates("SliceNode")
@@ -227,7 +263,10 @@ def _take(b: ImportBuilder, n: Any) -> None:
         indices = b.read(index.tid)
         # Axis 0 with indices of any shape is an embedding lookup (mx.take either way).
         op, attrs = ("embedding", {}) if n.axis == 0 else ("index_select", {"dim": n.axis})
-        b.emit(op, (x, indices), (b.write(n.out),), **attrs)
+        out = b.write(n.out)
+        b.emit(op, (x, indices), (out,), **attrs)
+        if n.axis == 0:
+            b.note_rows(out, x, indices)
     elif index.kind in (_TAKE_LITERAL, _TAKE_VID):
         value = index.literal if index.kind == _TAKE_LITERAL else b.value(index.vid)
         b.emit("select", (x,), (b.write(n.out),), dim=n.axis, index=value)
@@ -304,6 +343,124 @@ def _argmin(b: ImportBuilder, n: Any) -> None:
     negated = b.temp()  # the first minimum of x is the first maximum of -x
     b.emit("neg", (b.read(n.x),), (negated,))
     b.emit("argmax", (negated,), (b.write(n.out),), dim=n.axis, keepdim=bool(n.keepdims))
+
+
+@translates("RoundNode")
+def _round(b: ImportBuilder, n: Any) -> None:
+    b.emit("round", (b.read(n.x),), (b.write(n.out),), decimals=n.decimals)
+
+
+@translates("TrilNode", "TriuNode")
+def _triangle(b: ImportBuilder, n: Any) -> None:
+    op = "tril" if type(n).__name__ == "TrilNodeT" else "triu"
+    b.emit(op, (b.read(n.x),), (b.write(n.out),), k=n.k)
+
+
+@translates("CumsumNode")
+def _cumsum(b: ImportBuilder, n: Any) -> None:
+    attrs = dict(dim=n.axis, reverse=bool(n.reverse), inclusive=bool(n.inclusive))
+    b.emit("cumsum", (b.read(n.x),), (b.write(n.out),), **attrs)
+
+
+@translates("RollNode")
+def _roll(b: ImportBuilder, n: Any) -> None:
+    shifts, dims = b.ints_or_refs(n.shift), _ints(n.axes if n.axes is not None else ())
+    if len(shifts) != len(dims):
+        raise FormatError(f"a RollNode gives {len(shifts)} shifts for {len(dims)} axes")
+    b.emit("roll", (b.read(n.x),), (b.write(n.out),), shifts=shifts, dims=dims)
+
+
+@translates("FullLikeNode")
+def _full_like(b: ImportBuilder, n: Any) -> None:
+    attrs = dict(value=b.static_float(n.v, "FullLikeNode value"))
+    if n.scalarType is not None:
+        attrs["dtype"] = b.dtype(n.scalarType)
+    b.emit("full_like", (b.read(n.x),), (b.write(n.out),), **attrs)
+
+
+@translates("SortNode", "ArgsortNode")
+def _sort(b: ImportBuilder, n: Any) -> None:
+    op = "sort" if type(n).__name__ == "SortNodeT" else "argsort"
+    b.emit(op, (b.read(n.x),), (b.write(n.out),), dim=n.axis)
+
+
+@translates("PartitionNode", "ArgPartitionNode")
+def _partition(b: ImportBuilder, n: Any) -> None:
+    op = "partition" if type(n).__name__ == "PartitionNodeT" else "argpartition"
+    b.emit(op, (b.read(n.x),), (b.write(n.out),), kth=b.int_or_ref(n.kth), dim=n.axis)
+
+
+@translates("FlipNode")
+def _flip(b: ImportBuilder, n: Any) -> None:
+    b.emit("flip", (b.read(n.x),), (b.write(n.out),), dims=_ints(n.axes if n.axes is not None else ()))
+
+
+@translates("RepeatNode")
+def _repeat(b: ImportBuilder, n: Any) -> None:
+    b.emit("repeat_interleave", (b.read(n.x),), (b.write(n.out),), repeats=b.int_or_ref(n.repeats), dim=n.axis)
+
+
+@translates("PadNode")
+def _pad(b: ImportBuilder, n: Any) -> None:
+    widths = b.ints_or_refs(n.padWidth)
+    mode = b.text(n.mode)
+    if len(widths) % 2 or mode not in ("constant", "edge"):
+        raise FormatError(f"a PadNode needs (before, after) pairs and mode constant or edge, got {len(widths)} "
+                          f"widths and mode {mode!r}")  # fmt: skip
+    b.emit("pad", (b.read(n.x),), (b.write(n.out),), widths=widths, mode=mode, value=float(n.constantValue))
+
+
+@translates("SdpaNode")
+def _sdpa(b: ImportBuilder, n: Any) -> None:
+    inputs = (b.read(n.q), b.read(n.k), b.read(n.v), b.read_optional(n.mask))
+    b.emit("sdpa", inputs, (b.write(n.out),), scale=float(n.scale), causal=bool(n.causal))
+
+
+@translates("ScatterAddNode")
+def _scatter_add(b: ImportBuilder, n: Any) -> None:
+    inputs = (b.read(n.x), b.read(n.indices), b.read(n.updates))
+    b.emit("scatter_add", inputs, (b.write(n.out),), dim=n.axis)
+
+
+def _quantization(b: ImportBuilder, n: Any) -> dict[str, Any]:
+    return dict(group_size=n.groupSize, bits=n.bits, mode=b.text(n.mode))
+
+
+@translates("QuantizedMatmulNode")
+def _quantized_matmul(b: ImportBuilder, n: Any) -> None:
+    """x @ dequantize(w).T on a stored quantized weight: ``quantized_linear``."""
+    if not n.transpose:
+        raise FormatError("a QuantizedMatmulNode without transpose (a weight stored [K, N]) is not supported")
+    parts = (b.read(n.w), b.read(n.scales), b.read_optional(n.biases))
+    if any(p is not None and b.constant_dtype(p) is None for p in parts):
+        raise FormatError("a QuantizedMatmulNode reads a quantized weight computed at run time; "
+                          "mlx-pte runs stored quantized weights only")  # fmt: skip
+    b.emit("quantized_linear", (b.read(n.x), *parts, None), (b.write(n.out),), **_quantization(b, n))
+
+
+@translates("DequantizeNode")
+def _dequantize(b: ImportBuilder, n: Any) -> None:
+    """Rows gathered from each part of a stored quantized weight by the same indices, then
+    dequantized (upstream's quantized embedding): ``quantized_embedding``."""
+    if n.globalScale is not None:
+        raise FormatError("a DequantizeNode with a global scale is not supported")
+    tids = (n.w, n.scales) + (() if n.biases is None else (n.biases,))
+    rows = [b.constant_rows(t) for t in tids]
+    if any(r is None for r in rows) or len({r[1] for r in rows}) != 1:
+        raise FormatError(
+            "a DequantizeNode is supported on rows one index tensor gathers from each part of a stored "
+            "quantized weight (a quantized embedding) only"
+        )
+    weight, scales = rows[0][0], rows[1][0]
+    biases = rows[2][0] if len(rows) == 3 else None
+    if n.dtype is not None:
+        dtype = b.dtype(n.dtype)
+    elif biases is not None:  # affine: MLX dequantizes to the scales' dtype
+        dtype = b.constant_dtype(scales)
+    else:
+        raise FormatError(f"a DequantizeNode of {b.text(n.mode)} weights must give its dtype")
+    inputs = (weight, scales, biases, rows[0][1])
+    b.emit("quantized_embedding", inputs, (b.write(n.out),), dtype=dtype, **_quantization(b, n))
 
 
 def translation(name: str) -> Optional[Translation]:

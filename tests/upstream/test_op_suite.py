@@ -17,13 +17,25 @@ from .op_suite import PASSED, UNSUPPORTED, cases, registry, run_case, run_suite,
 LLM_CLASSES = (
     "add", "mul", "linear", "addmm", "aten_rms_norm", "embedding", "to_dtype", "permute", "slice",
     "cat", "unsqueeze", "neg", "sin", "cos", "silu", "gelu", "update_and_attend",
+    # QuantizedMatmul, Take + Dequantize (4w / 8w / nvfp4 exports)
+    "quantized_linear", "quantized_embedding", "int4_quantized_linear", "int4_quantized_embedding",
+    "nvfp4_quantized_linear", "mxfp8_quantized_linear",
+)  # fmt: skip
+# One class per catalog op that only imported programs use (ir.catalog.UPSTREAM_ONLY), and
+# the reductions over every axis: their first cases run in `make test`.
+UPSTREAM_OP_CLASSES = (
+    "floor", "ceil", "trunc", "tan", "asin", "acos", "atan", "sinh", "cosh", "asinh", "acosh", "atanh",
+    "log2", "log10", "log1p", "expm1", "sign", "bitwise_not_int", "atan2", "logaddexp", "floor_divide",
+    "remainder", "bitwise_and_int", "bitwise_or_int", "bitwise_xor_int", "prod", "logsumexp", "any", "all",
+    "var", "std", "round", "tril", "triu", "cumsum", "roll", "full_like", "sort", "argsort", "topk", "flip",
+    "repeat_interleave", "pad", "sdpa", "scatter_add", "max_global",
 )  # fmt: skip
 
 
-def _params(first_only: bool) -> list:
+def _params(first_only: bool, classes: tuple[str, ...] = LLM_CLASSES) -> list:
     tests = registry()
     params = []
-    for base in LLM_CLASSES:
+    for base in classes:
         for i, case in enumerate(cases(tests[base])):
             if first_only and i:
                 break
@@ -38,6 +50,11 @@ def _check(base, case, tmp_path):
 
 @pytest.mark.parametrize(("base", "case"), _params(first_only=True))
 def test_llm_node_types_first_case(base, case, tmp_path):
+    _check(base, case, tmp_path)
+
+
+@pytest.mark.parametrize(("base", "case"), _params(first_only=True, classes=UPSTREAM_OP_CLASSES))
+def test_upstream_only_ops_first_case(base, case, tmp_path):
     _check(base, case, tmp_path)
 
 

@@ -107,3 +107,11 @@ def test_an_upstream_file_runs_without_torch_or_executorch(files):
         "assert not heavy, heavy\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
+
+
+def test_inspect_reports_an_upstream_files_quantized_weights(upstream_pte, capsys):
+    assert main(["inspect", str(upstream_pte("llama", "fp32-4w"))]) == 0
+    out = capsys.readouterr().out
+    # 16 = 7 linears in each of 2 layers, the LM head and the embedding (tiny_models: untied).
+    assert "quantized: 16 weights (affine 4-bit, groups of 32)" in out
+    assert "quantized_embedding  1" in out and "quantized_linear     15" in out

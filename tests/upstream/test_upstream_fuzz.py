@@ -1,5 +1,6 @@
-"""Damaged upstream MLX programs: every truncation and byte flip is refused with one
-FormatError or, where it misses what the importer checks, still imports; nothing else."""
+"""Damaged upstream MLX programs, full precision and quantized (packed weights, the folded
+init chain): every truncation and byte flip is refused with one FormatError or, where it
+misses what the importer checks, still imports; nothing else."""
 from __future__ import annotations
 
 import random
@@ -11,9 +12,9 @@ from mlx_pte.ir.pte import decode_program, delegate_payload
 from tests.ir.test_fuzz import time_limit
 
 
-@pytest.fixture(scope="module")
-def upstream_bytes(upstream_pte) -> bytes:
-    return upstream_pte("llama", "fp32").read_bytes()
+@pytest.fixture(scope="module", params=["fp32", "fp32-4w"])
+def upstream_bytes(upstream_pte, request) -> bytes:
+    return upstream_pte("llama", request.param).read_bytes()
 
 
 def test_the_undamaged_file_imports(upstream_bytes):
