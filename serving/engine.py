@@ -194,6 +194,17 @@ class EngineStats:
 
 
 @dataclass(frozen=True)
+class EngineLoad:
+    """What the engine holds, as of its last step: published whole after each step, so
+    any thread may read ``Engine.load`` (for monitoring) without a lock."""
+
+    waiting: int = 0  # requests submitted, not yet admitted
+    running: int = 0  # live cache sequences
+    reserved: int = 0  # capacity units reserved by admitted requests
+    positions: int = 0  # token positions the cache holds, summed over sequences
+
+
+@dataclass(frozen=True)
 class SequenceState:
     """One live cache sequence as the engine accounts for it."""
 
@@ -455,6 +466,7 @@ class Engine:
         self.eos_ids = frozenset(manifest.eos_token_ids)
         self.codec = TextCodec(manifest) if manifest.tokenizer else None
         self.stats = EngineStats()
+        self.load = EngineLoad()
 
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
@@ -574,6 +586,8 @@ class Engine:
             self._in_flight = self._dispatch(build, previous)
         if previous is not None:
             self._read(previous)
+        self.load = EngineLoad(len(self._inbox) + len(self._waiting), len(self.cache.live_seqs()),
+                               self._reserved, self.cache.usage().logical_positions)
         return bool(build.size) or previous is not None
 
     def run(self) -> None:

@@ -5,9 +5,11 @@ import json
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
-from .engine import Completion
+from .engine import Completion, SampleResult
+from .tool_calls import ToolCall, ToolCallStream, parse_reply
+from .tool_request import ToolUse
 
 # Finish reasons in OpenAI's vocabulary: running out of cache is a length limit too.
 FINISH_REASONS = {"stop": "stop", "length": "length", "capacity": "length"}
@@ -31,33 +33,85 @@ class Reply:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model,
                 "choices": choices, **extra}
 
-    def full(self, completion: Completion) -> dict:
+    def full(self, completion: Completion, tools: Optional[ToolUse] = None) -> dict:
+        """The whole reply; with ``tools`` that parse, each chat message's calls in ``tool_calls``."""
         choices = []
         for s in completion.samples:
             reason = FINISH_REASONS.get(s.finish_reason, s.finish_reason)
             if self.chat:
-                choices.append({"index": s.index, "message": {"role": "assistant", "content": s.text},
-                                "finish_reason": reason})
+                message, reason = _message(s, reason, tools)
+                choices.append({"index": s.index, "message": message, "finish_reason": reason})
             else:
                 choices.append({"index": s.index, "text": s.text, "logprobs": None, "finish_reason": reason})
         kind = "chat.completion" if self.chat else "text_completion"
         return self._object(kind, choices, usage=usage(completion))
 
     def chunk(self, index: int, text: Optional[str], finish_reason: Optional[str] = None,
-              role: bool = False) -> dict:
+              role: bool = False, calls: Sequence[tuple[int, ToolCall]] = ()) -> dict:
+        """A streamed chunk of sample ``index``; ``calls``: (its index among the sample's
+        calls, the call) for each call complete in this chunk."""
         reason = FINISH_REASONS.get(finish_reason, finish_reason) if finish_reason else None
         if self.chat:
             delta: dict = {"role": "assistant", "content": ""} if role else {}
             if text:
                 delta["content"] = text
+            if calls:
+                delta["tool_calls"] = [{"index": i, **call.openai()} for i, call in calls]
             choice = {"index": index, "delta": delta, "finish_reason": reason}
             return self._object("chat.completion.chunk", [choice])
         choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": reason}
         return self._object("text_completion", [choice])
 
+    def sample_chunks(self, index: int, tools: Optional[ToolUse]) -> "SampleChunks":
+        return SampleChunks(self, index, ToolCallStream(tools.format, tools.max_calls)
+                            if tools is not None and tools.parses else None)
+
     def usage_chunk(self, completion: Completion) -> dict:
         kind = "chat.completion.chunk" if self.chat else "text_completion"
         return self._object(kind, [], usage=usage(completion))
+
+
+class SampleChunks:
+    """The chunks of one streamed sample: text as it comes, each tool call once complete
+    (OpenAI's clients accept a call's arguments in one delta)."""
+
+    def __init__(self, reply: Reply, index: int, calls: Optional[ToolCallStream]) -> None:
+        self._reply = reply
+        self._index = index
+        self._calls = calls
+        self._sent = 0  # calls sent so far
+
+    def on(self, text: str, finish_reason: Optional[str]) -> list[dict]:
+        """The chunks an event (new ``text``, and the sample's end if ``finish_reason``) makes."""
+        if self._calls is None:
+            return [self._reply.chunk(self._index, text, finish_reason)] if text or finish_reason else []
+        pieces = self._calls.feed(text) + (self._calls.finish() if finish_reason else [])
+        out = []
+        for piece in pieces:
+            if isinstance(piece, str):
+                out.append(self._reply.chunk(self._index, piece))
+            else:
+                out.append(self._reply.chunk(self._index, None, calls=[(self._sent, piece)]))
+                self._sent += 1
+        if finish_reason:
+            out.append(self._reply.chunk(self._index, None, _called(finish_reason, self._sent > 0)))
+        return out
+
+
+def _called(reason: str, called: bool) -> str:
+    """OpenAI's finish reason for a sample that ended with tool calls."""
+    return "tool_calls" if called and FINISH_REASONS.get(reason, reason) == "stop" else reason
+
+
+def _message(sample: SampleResult, reason: str, tools: Optional[ToolUse]) -> tuple[dict, str]:
+    """A chat choice's message and finish reason ("tool_calls" when it called)."""
+    if tools is None or not tools.parses:
+        return {"role": "assistant", "content": sample.text}, reason
+    parsed = parse_reply(tools.format, sample.text, tools.max_calls)
+    message: dict = {"role": "assistant", "content": parsed.content}
+    if parsed.calls:
+        message["tool_calls"] = [call.openai() for call in parsed.calls]
+    return message, _called(reason, bool(parsed.calls))
 
 
 def usage(completion: Completion) -> dict:
