@@ -1,0 +1,153 @@
+"""Tool calling with the official ``openai`` client against live servers whose models carry a
+Hermes-style and a Llama-3-style chat template.
+
+A tiny random model does not decide to call a tool, so three things are tested apart:
+the conversation with tools and tool turns reaches the model exactly as transformers
+renders it (greedy text equal to single-sequence generation on that rendering); replies
+shaped from known call text are what the client's own types and stream accumulator read
+as tool calls; and (with a grammar) forced calls come back parsed and valid.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+
+import openai
+import pytest
+from openai.lib.streaming.chat import ChatCompletionStreamState
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
+
+from mlx_pte.interpreter.program import Program, load
+from mlx_pte.serving.app import create_app
+from mlx_pte.serving.engine import Completion, Engine, RequestStats, SampleResult
+from mlx_pte.serving.generation import generate
+from mlx_pte.serving.openai_response import Reply
+from mlx_pte.serving.sampling import SamplingParams
+from mlx_pte.serving.tool_request import parse_tool_use
+from tests.fixtures.long_context import long_context_pte
+from tests.fixtures.tool_templates import HERMES_TEMPLATE, LLAMA3_TEMPLATE, TOOL_CONVERSATION, TOOLS
+from tests.serving.live_server import serving
+from tests.serving.test_tool_calls import hf_messages
+
+MODEL = "tiny-tools"
+TEMPLATES = {"hermes": HERMES_TEMPLATE, "llama3": LLAMA3_TEMPLATE}
+CALL_TEXT = {  # a reply in each format calling both tools
+    "hermes": 'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Lima", "unit": "F"}}\n'
+              '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>',
+    "llama3": '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Lima", "unit": "F"}}; '
+              '{"name": "get_time", "parameters": {"zone": "CET"}}',
+}
+EXPECTED_CALLS = [("get_weather", {"city": "Lima", "unit": "F"}), ("get_time", {"zone": "CET"})]
+
+
+@pytest.fixture(scope="module")
+def long_program(tmp_path_factory, tiny_tokenizer):
+    return load(long_context_pte(tmp_path_factory, tiny_tokenizer))
+
+
+@pytest.fixture(scope="module")
+def reference(long_program):
+    """Greedy single-sequence ``generate()`` on the same weights: what each request must give."""
+    single = long_program.session("single")
+
+    def run(prompt: str, max_tokens: int):
+        single.cache.clear()
+        return generate(single, prompt, max_tokens, SamplingParams(), stop_on_eos=False)
+
+    return run
+
+
+@pytest.fixture(scope="module")
+def clients(long_program):
+    """``style -> openai.OpenAI`` for a live server per template style, plus ``"plain"``: the
+    tiny model's own template, which renders no tools."""
+    programs = {style: Program(long_program.graph, long_program.weights,
+                               {**long_program.manifest, "chat_template": template})
+                for style, template in TEMPLATES.items()}
+    programs["plain"] = long_program
+    with contextlib.ExitStack() as stack:
+        out = {}
+        for style, prog in programs.items():
+            engine = Engine(prog, "batched-cell", capacity=4096, max_batch_tokens=32)
+            url = stack.enter_context(serving(create_app(engine, MODEL)))
+            out[style] = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        yield out
+
+
+def hf_prompt(tiny_tokenizer, style: str, messages: list, tools) -> str:
+    return tiny_tokenizer.apply_chat_template(hf_messages(messages), tools=tools, chat_template=TEMPLATES[style],
+                                              tokenize=False, add_generation_prompt=True)
+
+
+@pytest.mark.parametrize("style", ["hermes", "llama3"])
+def test_a_tool_conversation_reaches_the_model_as_transformers_renders_it(clients, tiny_tokenizer, reference, style):
+    expected = reference(hf_prompt(tiny_tokenizer, style, TOOL_CONVERSATION, TOOLS), 8)
+    client = clients[style]
+    reply = client.chat.completions.create(model=MODEL, messages=TOOL_CONVERSATION, tools=TOOLS, temperature=0,
+                                           max_tokens=8, extra_body={"ignore_eos": True})
+    (choice,) = reply.choices
+    assert choice.message.content == expected.text and choice.message.tool_calls is None
+    assert choice.finish_reason == "length" and reply.usage.prompt_tokens == expected.prompt_tokens
+
+    state = ChatCompletionStreamState()
+    for chunk in client.chat.completions.create(model=MODEL, messages=TOOL_CONVERSATION, tools=TOOLS, temperature=0,
+                                                max_tokens=8, stream=True, extra_body={"ignore_eos": True}):
+        state.handle_chunk(chunk)
+    (streamed,) = state.current_completion_snapshot.choices  # the final completion refuses "length"
+    assert streamed.message.content == expected.text and not streamed.message.tool_calls
+    assert streamed.finish_reason == "length"
+
+
+def test_tool_choice_none_renders_the_tools_and_leaves_the_reply_as_text(clients, tiny_tokenizer, reference):
+    expected = reference(hf_prompt(tiny_tokenizer, "hermes", TOOL_CONVERSATION, TOOLS), 5)
+    reply = clients["hermes"].chat.completions.create(model=MODEL, messages=TOOL_CONVERSATION, tools=TOOLS,
+                                                      tool_choice="none", temperature=0, max_tokens=5,
+                                                      extra_body={"ignore_eos": True})
+    assert reply.choices[0].message.content == expected.text
+
+
+def test_tools_on_a_model_whose_template_has_none_are_a_400(clients):
+    with pytest.raises(openai.BadRequestError) as info:
+        clients["plain"].chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                 tools=TOOLS, max_tokens=2)
+    assert "does not render tools" in info.value.message and info.value.body["param"] == "tools"
+
+
+def shaped(style: str, text: str, finish_reason: str = "stop"):
+    """``Reply.full`` and the streamed chunks of a sample whose text is ``text`` (cut in
+    3-character deltas, as a detokenizer releases it)."""
+    tools = parse_tool_use({"tools": TOOLS}, TEMPLATES[style])
+    sample = SampleResult(0, [1] * 5, text, finish_reason)
+    reply = Reply.new(MODEL, chat=True)
+    full = reply.full(Completion(0, 10, [sample], RequestStats(10, 0.0)), tools)
+    chunks, stream = [reply.chunk(0, None, role=True)], reply.sample_chunks(0, tools)
+    pieces = [text[i:i + 3] for i in range(0, len(text), 3)]
+    for i, piece in enumerate(pieces):
+        chunks += stream.on(piece, finish_reason if i == len(pieces) - 1 else None)
+    return full, chunks
+
+
+@pytest.mark.parametrize("style", ["hermes", "llama3"])
+def test_replies_with_calls_are_what_the_openai_client_reads_as_tool_calls(style):
+    """The oracle is the client library: its response types and its own stream accumulator."""
+    full, chunks = shaped(style, CALL_TEXT[style])
+    (choice,) = ChatCompletion.model_validate(full).choices
+    assert choice.finish_reason == "tool_calls"
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == EXPECTED_CALLS
+    assert all(c.type == "function" and c.id.startswith("call_") for c in choice.message.tool_calls)
+    assert len({c.id for c in choice.message.tool_calls}) == 2
+    assert choice.message.content == ("Checking." if style == "hermes" else None)
+
+    state = ChatCompletionStreamState(input_tools=TOOLS)
+    for chunk in chunks:
+        state.handle_chunk(ChatCompletionChunk.model_validate(chunk))
+    (streamed,) = state.get_final_completion().choices
+    assert streamed.finish_reason == "tool_calls"
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in streamed.message.tool_calls] == EXPECTED_CALLS
+    assert (streamed.message.content or None) == choice.message.content
+
+
+def test_a_reply_cut_by_the_length_limit_keeps_finish_reason_length():
+    full, chunks = shaped("hermes", CALL_TEXT["hermes"], "length")
+    assert full["choices"][0]["finish_reason"] == "length" and full["choices"][0]["message"]["tool_calls"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
