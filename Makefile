@@ -3,9 +3,8 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-UPSTREAM := ir/upstream/_generated/schema_generated.py
 
-.PHONY: test test-slow demo bench blas schemas clean
+.PHONY: test test-slow demo bench blas schemas clean upstream
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -15,10 +14,10 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 # upstream ExecuTorch's MLX backend: generate the files its wheel lacks, and mlx-pte's
-# reader of its payload (ignored by git), from the installed schema (idempotent).
-$(UPSTREAM): $(STAMP) scripts/prepare_upstream_mlx.py
-	$(PY) scripts/prepare_upstream_mlx.py
-	touch $(UPSTREAM)
+# reader of its payload (ignored by git), from the installed schema. Always run: the
+# script checks both sets itself (a reinstalled executorch loses its generated files).
+upstream: $(STAMP)
+	@$(PY) scripts/prepare_upstream_mlx.py
 
 # MLX's Linux CPU wheel links a reference BLAS; an optimized one is ~30x faster.
 # Installed only when running as root on a Debian-like system that lacks it.
@@ -30,10 +29,10 @@ blas:
 	    || echo "warning: could not install libopenblas0-pthread; MLX will use its slow reference BLAS"; \
 	fi
 
-test: $(UPSTREAM) blas
+test: upstream blas
 	$(PY) -m pytest -q
 
-test-slow: $(UPSTREAM) blas
+test-slow: upstream blas
 	$(PY) -m pytest -q -m slow
 
 bench: $(STAMP) blas

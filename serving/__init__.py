@@ -12,6 +12,7 @@ _EXPORTS = {
     "Engine": ".engine",
     "Request": ".engine",
     "open_engine": ".engine",
+    "Grammar": ".grammar",
 }
 
 __all__ = sorted(_EXPORTS)

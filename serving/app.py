@@ -118,7 +118,16 @@ def create_app(engine: Engine, model_id: str, limits: BodyLimits = BodyLimits())
         return body
 
     def parse(raw: bytes, chat: bool) -> ApiRequest:  # on a worker thread: parsing and tokenizing
-        return parse_request(body_of(raw), engine, chat)
+        parsed = parse_request(body_of(raw), engine, chat)
+        forced = parsed.tools is not None and parsed.tools.enforced
+        needs = ("tool_choice" if forced else "response_format" if parsed.request.grammar is not None
+                 else "logprobs" if parsed.request.logprobs is not None else None)
+        if needs:  # the grammar engine's vocabulary: built here on first use (~0.3 s), not on the event loop
+            try:
+                engine.vocabulary()
+            except EngineError as exc:
+                raise ApiError(400, str(exc), needs) from None
+        return parsed
 
     async def read(http: HttpRequest) -> bytes:
         try:
@@ -129,11 +138,12 @@ def create_app(engine: Engine, model_id: str, limits: BodyLimits = BodyLimits())
     async def run(http: HttpRequest, chat: bool):
         parsed = await run_in_threadpool(parse, await read(http), chat)
         listener = _Listener(parsed.request.n)
+        vocabulary = engine.vocabulary() if parsed.request.logprobs is not None else None  # built by parse
         try:
             handle = engine.submit(parsed.request, on_event=listener)
         except EngineError as exc:  # malformed, or can never fit this engine
             raise ApiError(400, str(exc)) from None
-        reply = Reply.new(model_id, chat)
+        reply = Reply.new(model_id, chat, vocabulary)
         n = parsed.request.n
         if not parsed.stream:
             try:
@@ -159,7 +169,8 @@ def create_app(engine: Engine, model_id: str, limits: BodyLimits = BodyLimits())
                     for i in range(n):
                         yield sse(reply.chunk(i, None, role=True))
                 async for event in listener.events():
-                    for chunk in samples[event.index].on(event.text, event.finish_reason):
+                    records = (event.logprob,) if event.logprob is not None else ()
+                    for chunk in samples[event.index].on(event.text, event.finish_reason, records):
                         reasons += [c["finish_reason"] for c in chunk["choices"] if c["finish_reason"]]
                         yield sse(chunk)
                 if parsed.include_usage:

@@ -23,6 +23,16 @@ what the host learns only on reading (eos, a stop string) ends the sample one st
 and its extra position is dropped with its sequence. (On MLX's CPU backend the overlap is
 small: ``async_eval`` waits while more than 10 scheduler tasks are in flight, and there
 every op is a task; on a GPU the tasks are command buffers.)
+
+A request with a ``grammar`` gives each sample a matcher (``grammar.Matcher``); its
+allowed-token bitmask is applied to the sample's logits row on the device, in the same
+batched draw as every other row (``token_masks``). A mask depends on the sample's previous
+token, so a step with constrained draws dispatches its forward first, then reads the
+previous step's tokens (advancing the matchers) while the device computes, and only then
+computes the masks and queues the draws. Eos is allowed only where the grammar accepts;
+a sample whose grammar is complete stops. With ``logprobs``, each draw also returns the
+token's log-probability and the top alternatives, computed on the device from the same
+(masked) rows (``logprobs``).
 """
 from __future__ import annotations
 
@@ -37,6 +47,7 @@ from typing import TYPE_CHECKING, Callable, Iterator, Optional, Sequence, Union
 
 from mlx_pte.runtime.cache import KIND_BATCHED_CELL, KIND_BATCHED_SEQUENCE, Step, footprint, sample_share
 
+from .output_options import MAX_TOP_LOGPROBS
 from .sampling import SamplingParams
 from .stops import StopStringError, StopStrings, StopText
 from mlx_pte.interpreter.text import TextCodec
@@ -45,6 +56,9 @@ from .detokenizer import IncrementalDecoder
 
 if TYPE_CHECKING:
     import mlx.core as mx
+
+    from .grammar import Grammar, Matcher
+    from .logprobs import TokenLogprob
 
     from .device_sampling import TokenStream
 
@@ -89,6 +103,10 @@ class Request:
         stop_ids: token ids that end a sample (kept in its tokens, like eos).
         n: samples of the prompt, prefilled once and forked.
         ignore_eos: keep generating past the model's eos tokens.
+        grammar: what each sample's text must match (``grammar.Grammar``); a sample
+            stops once its match is complete.
+        logprobs: None, or k in 0..20: each token comes with its log-probability and
+            the k most likely tokens' (``logprobs.TokenLogprob``).
     """
 
     prompt: Union[str, Sequence[int]]
@@ -98,6 +116,8 @@ class Request:
     stop_ids: tuple[int, ...] = ()
     n: int = 1
     ignore_eos: bool = False
+    grammar: Optional["Grammar"] = None
+    logprobs: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -108,7 +128,7 @@ class Event:
     text that could still become a stop string, or half a character, is held back). The
     last event of each sample has ``finish_reason`` ("stop" | "length" | "capacity" |
     "cancelled") and any text released at the end. A failed request ends with one event
-    carrying ``error``.
+    carrying ``error``. With ``Request.logprobs``, a token event carries ``logprob``.
     """
 
     request_id: int
@@ -117,6 +137,7 @@ class Event:
     text: str = ""
     finish_reason: Optional[str] = None
     error: Optional[str] = None
+    logprob: Optional["TokenLogprob"] = None
 
 
 @dataclass
@@ -155,6 +176,7 @@ class SampleResult:
     tokens: list[int]
     text: str
     finish_reason: str
+    logprobs: tuple["TokenLogprob", ...] = ()  # one per token, with Request.logprobs
 
 
 @dataclass(frozen=True)
@@ -312,6 +334,9 @@ class _Sample:
     # that draw is the sample's last.
     pending: Optional[int] = None
     finish_reason: Optional[str] = None
+    matcher: Optional["Matcher"] = None
+    logprob_top: Optional[int] = None  # Request.logprobs
+    logprobs: list["TokenLogprob"] = field(default_factory=list)
 
 
 @dataclass
@@ -413,6 +438,24 @@ class _InFlight:
     logits: "mx.array"
     draws: list[tuple[_Job, _Sample, bool]]  # (job, sample, is its first token)
     dispatched: float
+    # (index of its first draw, logprob_arrays, each draw's top count or None) per part
+    logprobs: list[tuple[int, tuple, list[Optional[int]]]] = field(default_factory=list)
+    read: bool = False
+
+
+@dataclass
+class _Queued:
+    """A step's forward, queued; ``ids`` is None until its draws are queued too."""
+
+    logits: "mx.array"
+    draws: list[tuple[_Job, _Sample, bool]]
+    rows: list[int]  # each draw's row of ``logits``
+    ids: Optional["mx.array"] = None
+    logprobs: Optional[tuple] = None
+
+    @property
+    def constrained(self) -> bool:
+        return any(sample.matcher is not None for _, sample, _ in self.draws)
 
 
 class Engine:
@@ -465,6 +508,7 @@ class Engine:
         self.vocab_size = manifest.vocab_size
         self.eos_ids = frozenset(manifest.eos_token_ids)
         self.codec = TextCodec(manifest) if manifest.tokenizer else None
+        self._manifest = manifest
         self.stats = EngineStats()
         self.load = EngineLoad()
 
@@ -498,12 +542,29 @@ class Engine:
             stops = StopStrings.of(request.stop)
         except StopStringError as exc:
             raise EngineError(str(exc)) from None
+        samples = self._new_samples(request, stops)
         with self._wake:
             handle = RequestHandle(self._next_id, request, len(ids), on_event)
             self._next_id += 1
-            self._inbox.append(_Job(handle, ids, cap, units, self._new_samples(request, stops)))
+            self._inbox.append(_Job(handle, ids, cap, units, samples))
             self._wake.notify()
         return handle
+
+    def vocabulary(self):
+        """The tokenizer as the grammar engine sees it (``grammar.TokenVocabulary``: token
+        bytes, eos), built on first use.
+
+        Raises:
+            EngineError: the program has no tokenizer, or the grammar engine cannot read it.
+        """
+        from .grammar import GrammarError, TokenVocabulary
+
+        if not self._manifest.tokenizer:
+            raise EngineError("structured output and logprobs need the program's tokenizer, and it embeds none")
+        try:
+            return TokenVocabulary.of(self._manifest.tokenizer, self.vocab_size, sorted(self.eos_ids))
+        except GrammarError as exc:
+            raise EngineError(str(exc)) from None
 
     def encode(self, text: str) -> list[int]:
         if self.codec is None:
@@ -538,6 +599,9 @@ class Engine:
             raise EngineError(f"max_tokens must be a positive integer, got {request.max_tokens!r}")
         if request.stop and self.codec is None:
             raise EngineError("stop strings need the program's tokenizer; use stop_ids instead")
+        k = request.logprobs
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_TOP_LOGPROBS):
+            raise EngineError(f"logprobs must be None or an integer from 0 to {MAX_TOP_LOGPROBS}, got {k!r}")
         if n > self.token_budget:
             raise RequestRejected(
                 f"{n} samples need {n} decode tokens per step, but a step carries at most "
@@ -564,9 +628,19 @@ class Engine:
                 stream=self._sampling.TokenStream.start(_seeded(request.sampling, i)),
                 stop_text=StopText(stops),
                 decoder=IncrementalDecoder(self.codec) if self.codec else None,
+                matcher=self._matcher(request.grammar) if request.grammar is not None else None,
+                logprob_top=request.logprobs,
             )
             for i in range(request.n)
         ]
+
+    def _matcher(self, grammar: "Grammar") -> "Matcher":
+        from .grammar import GrammarError
+
+        try:
+            return self.vocabulary().matcher(grammar)
+        except GrammarError as exc:
+            raise EngineError(str(exc)) from None
 
     # -- running ------------------------------------------------------------------------
     @property
@@ -584,7 +658,7 @@ class Engine:
         build = self._build_step()
         if build.size:
             self._in_flight = self._dispatch(build, previous)
-        if previous is not None:
+        if previous is not None and not previous.read:  # a constrained step reads it sooner
             self._read(previous)
         self.load = EngineLoad(len(self._inbox) + len(self._waiting), len(self.cache.live_seqs()),
                                self._reserved, self.cache.usage().logical_positions)
@@ -738,19 +812,83 @@ class Engine:
 
         dispatched = time.perf_counter()
         try:
-            ids, logits, draws = self._queue(build, previous)
+            queued = self._queue(build, previous)
         except Exception as exc:
             if len(build.jobs) == 1:
                 self._fail_step(build, exc)
                 return None
             return self._dispatch_alone(build, previous, dispatched)
-        # A step that only prefills draws nothing; its logits stand for its work.
-        mx.async_eval(ids if ids is not None else logits)
-        self._advance(build, draws)
-        return _InFlight(build, ids, logits, draws, dispatched)
+        if queued.constrained:
+            mx.async_eval(queued.logits)
+            self._advance(build, queued.draws)
+            if not self._draw_constrained(queued, build, previous):
+                return None
+        else:
+            # A step that only prefills draws nothing; its logits stand for its work.
+            mx.async_eval(queued.ids if queued.ids is not None else queued.logits)
+            self._advance(build, queued.draws)
+        return _InFlight(build, queued.ids, queued.logits, queued.draws, dispatched, self._logprob_parts(queued))
 
-    def _queue(self, build: _StepBuild, previous: Optional[_InFlight]):
-        """The step's forward and draws, lazy: ``(ids or None, logits, draws)``."""
+    def _logprob_parts(self, queued: _Queued, first_draw: int = 0) -> list:
+        if queued.logprobs is None:
+            return []
+        return [(first_draw, queued.logprobs, [s.logprob_top for _, s, _ in queued.draws])]
+
+    def _draw_constrained(self, queued: _Queued, build: _StepBuild, previous: Optional[_InFlight]) -> bool:
+        """Queue the draws of a step with constrained samples, its forward already queued
+        and accounted: first the previous step's tokens are read (the masks depend on
+        them), while the device computes. False if the draws failed (the step's
+        requests failed with them)."""
+        import mlx.core as mx
+
+        if previous is not None and not previous.read:
+            self._read(previous)
+        try:
+            queued.ids, queued.logprobs = self._draw(queued)
+            mx.async_eval(queued.ids)
+        except Exception as exc:
+            self._fail_step(build, exc)
+            return False
+        return True
+
+    def _draw(self, queued: _Queued) -> tuple["mx.array", Optional[tuple]]:
+        """Token ids drawn from the step's rows, masked by each sample's grammar, and,
+        when some draw wants them, the log-probabilities of those same rows (lazy)."""
+        import mlx.core as mx
+        from .logprobs import logprob_arrays
+
+        samples = [sample for _, sample, _ in queued.draws]
+        rows = queued.logits
+        if queued.rows != list(range(rows.shape[0])):
+            rows = rows[mx.array(queued.rows)]
+        if queued.constrained:
+            from .token_masks import apply_masks
+
+            rows = apply_masks(rows, self._masks(queued.draws))
+        ids = self._sampling.draw(rows, [s.stream for s in samples])
+        wants = [s.logprob_top for s in samples if s.logprob_top is not None]
+        return ids, (logprob_arrays(rows, ids, max(wants)) if wants else None)
+
+    def _masks(self, draws: list[tuple[_Job, _Sample, bool]]):
+        """Each draw's allowed-token bitmask; a sample whose grammar fails here fails alone
+        (its row is left unmasked, and its token unread)."""
+        import numpy as np
+
+        from .grammar import GrammarError, mask_words
+
+        masks = np.full((len(draws), mask_words(self.vocab_size)), -1, dtype=np.int32)
+        for row, (job, sample, _) in zip(masks, draws):
+            if sample.matcher is None or sample.finish_reason is not None:
+                continue
+            try:
+                sample.matcher.fill_mask(row)
+            except GrammarError as exc:
+                self._fail(job, f"the request's grammar failed: {exc}")
+                row[:] = -1
+        return masks
+
+    def _queue(self, build: _StepBuild, previous: Optional[_InFlight]) -> _Queued:
+        """The step's forward and, unless a sample is constrained, its draws (lazy)."""
         import mlx.core as mx
 
         draws: list[tuple[_Job, _Sample, bool]] = []
@@ -768,12 +906,15 @@ class Engine:
             tokens = mx.concatenate([fed.astype(mx.int64), tokens])
         rows = [r for r, _, _ in build.rows] or [build.size - 1]  # the program needs at least one row
         logits = self.session.forward(tokens, build.positions, build.seq_ids, rows, evaluate=False)
+        queued = _Queued(logits, draws, draw_rows)
+        if not draws or queued.constrained:  # constrained draws wait for their masks
+            return queued
         try:
-            ids = self._sampling.draw(logits, [s.stream for _, s, _ in draws], draw_rows) if draws else None
+            queued.ids, queued.logprobs = self._draw(queued)
         except Exception:  # the cache holds the step already: take it back before retrying
             self._rewind_step(build)
             raise
-        return ids, logits, draws
+        return queued
 
     def _rewind_step(self, build: _StepBuild) -> None:
         """Undo a step the cache has committed: each sequence back to where the step began."""
@@ -791,24 +932,30 @@ class Engine:
 
         ids: list = []
         draws: list[tuple[_Job, _Sample, bool]] = []
+        logprobs: list = []
         kept = _StepBuild()
         last = None
         for job in list(build.jobs.values()):
             part = build.only(job)
             try:
-                part_ids, logits, part_draws = self._queue(part, previous)
-                mx.eval(part_ids if part_ids is not None else logits)
+                queued = self._queue(part, previous)
+                mx.eval(queued.ids if queued.ids is not None else queued.logits)
             except Exception as exc:
                 self._fail_step(part, exc)
                 continue
-            self._advance(part, part_draws, first_draw=len(draws))
-            ids += [part_ids] if part_ids is not None else []
-            draws += part_draws
+            self._advance(part, queued.draws, first_draw=len(draws))
+            if queued.constrained:
+                if not self._draw_constrained(queued, part, previous):
+                    continue
+                mx.eval(queued.ids)
+            ids += [queued.ids] if queued.ids is not None else []
+            logprobs += self._logprob_parts(queued, first_draw=len(draws))
+            draws += queued.draws
             kept.absorb(part)
-            last = logits
+            last = queued.logits
         if last is None:
             return None
-        return _InFlight(kept, mx.concatenate(ids) if ids else None, last, draws, dispatched)
+        return _InFlight(kept, mx.concatenate(ids) if ids else None, last, draws, dispatched, logprobs)
 
     def _advance(self, build: _StepBuild, draws: list[tuple[_Job, _Sample, bool]], first_draw: int = 0) -> None:
         """The host's account of a dispatched step: positions held, forks, draws."""
@@ -833,10 +980,12 @@ class Engine:
         """Wait for a dispatched step's token ids, then emit them and end what they end."""
         import mlx.core as mx
 
+        flight.read = True
         try:
             if flight.ids is None:
                 mx.eval(flight.logits)
             ids = flight.ids.tolist() if flight.ids is not None else []
+            records = self._logprob_records(flight, ids)
         except Exception as exc:
             self._fail_step(flight.build, exc)
             return
@@ -845,16 +994,30 @@ class Engine:
         # previous one was read, whichever came later.
         self._count(flight.build, now - max(flight.dispatched, self._last_read))
         self._last_read = now
-        for (job, sample, first), token in zip(flight.draws, ids):
+        for (job, sample, first), token, record in zip(flight.draws, ids, records):
             if sample.finish_reason is not None:  # ended (stop, cancel, failure) after dispatch
                 continue
             if first and job.handle.status == Status.PREFILL:
                 job.handle.status = Status.DECODING
                 job.handle.stats.first_token = now
-            try:  # detokenizing or a stop check that fails ends this request only
-                self._accept(job, sample, int(token), first_token=first)
+            try:  # detokenizing, a stop check or a grammar that fails ends this request only
+                self._accept(job, sample, int(token), first_token=first, logprob=record)
             except Exception as exc:
                 self._fail(job, f"the request failed after its forward: {type(exc).__name__}: {exc}")
+
+    @staticmethod
+    def _logprob_records(flight: _InFlight, ids: list[int]) -> list[Optional["TokenLogprob"]]:
+        """Each draw's log-probability record (None where the request asked for none)."""
+        records: list[Optional["TokenLogprob"]] = [None] * len(ids)
+        if flight.logprobs:
+            from .logprobs import read
+
+            for first, arrays, wants in flight.logprobs:
+                chunk = read(ids[first : first + len(wants)], arrays, [w or 0 for w in wants])
+                for i, (want, record) in enumerate(zip(wants, chunk)):
+                    if want is not None:
+                        records[first + i] = record
+        return records
 
     def _fail_step(self, build: _StepBuild, exc: Exception) -> None:
         for job in build.jobs.values():
@@ -871,17 +1034,25 @@ class Engine:
             st.decode_tokens += build.size
             st.decode_seconds += seconds
 
-    def _accept(self, job: _Job, sample: _Sample, token: int, first_token: bool = False) -> None:
+    def _accept(self, job: _Job, sample: _Sample, token: int, first_token: bool = False,
+                logprob: Optional["TokenLogprob"] = None) -> None:
         sample.tokens.append(token)
+        if logprob is not None:
+            sample.logprobs.append(logprob)
         job.handle.stats.generated_tokens += 1
         self.stats.generated_tokens += 1
         if not first_token:
             job.handle.stats.decoded_tokens += 1
         piece = sample.stop_text.push(sample.decoder.push(token)) if sample.decoder else ""
         request = job.handle.request
+        eos = token in self.eos_ids
+        if sample.matcher is not None and not eos:
+            sample.matcher.consume(token)
         if sample.stop_text.stopped:
             reason = "stop"
-        elif token in request.stop_ids or (token in self.eos_ids and not request.ignore_eos):
+        elif token in request.stop_ids or (eos and not request.ignore_eos):
+            reason = "stop"
+        elif sample.matcher is not None and (sample.matcher.done or eos):  # nothing more may follow
             reason = "stop"
         elif sample.drawn > len(sample.tokens):  # its next token is being drawn
             reason = None
@@ -889,7 +1060,7 @@ class Engine:
             reason = "length"
         else:
             reason = "capacity"
-        job.handle._emit(Event(job.handle.id, sample.index, token, piece))
+        job.handle._emit(Event(job.handle.id, sample.index, token, piece, logprob=logprob))
         if reason is not None:
             self._finish(job, sample, reason)
 
@@ -901,6 +1072,7 @@ class Engine:
             tail = sample.stop_text.push(sample.decoder.flush()) + sample.stop_text.flush()
         if sample.stop_text.stopped:
             sample.tokens = sample.tokens[: self._kept_tokens(sample)]
+            del sample.logprobs[len(sample.tokens):]
         if sample.seq_id is not None:
             # Keep the cache's history equal to what the caller sees, then drop it.
             kept = min(job.prompt_len + len(sample.tokens), sample.length)
@@ -929,7 +1101,8 @@ class Engine:
         if any(s.finish_reason == "cancelled" for s in job.samples):
             job.handle._close(Status.CANCELLED, last)
             return
-        samples = [SampleResult(s.index, s.tokens, s.stop_text.text, s.finish_reason or "") for s in job.samples]
+        samples = [SampleResult(s.index, s.tokens, s.stop_text.text, s.finish_reason or "", tuple(s.logprobs))
+                   for s in job.samples]
         job.handle._close(Status.DONE, last, Completion(job.handle.id, job.prompt_len, samples, job.handle.stats))
 
     def _fail(self, job: _Job, error: str) -> None:

@@ -7,17 +7,22 @@ takes); nothing is silently ignored.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
 
 from mlx_pte.interpreter.text import TokenizerMissing
 
 from .chat_messages import template_messages
 from .engine import Engine, EngineError, Request
+from .output_options import OptionError, parse_logprobs, parse_response_format
 from .request_body import BodyError, check_value
 from .request_fields import CHAT_FIELDS, COMPLETION_FIELDS, FieldError, check_fields
 from .sampling import SamplingError, SamplingParams
 from .stops import StopStringError, StopStrings
+from .tool_grammar import tool_call_grammar
 from .tool_request import ToolUse, parse_tool_use
+
+if TYPE_CHECKING:
+    from .grammar import Grammar
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions
 DEFAULT_CHAT_TOKENS = 256
@@ -123,6 +128,17 @@ def tool_use(body: Mapping, engine: Engine) -> ToolUse:
         raise ApiError(400, str(exc), exc.param) from None
 
 
+def _forced_call(tools: ToolUse, response_format: Optional[Grammar]) -> Grammar:
+    """The grammar that forces the call ``tool_choice`` asks for."""
+    if response_format is not None:
+        raise ApiError(400, f"'response_format' cannot shape a reply that 'tool_choice' {tools.choice!r} makes "
+                            "a tool call; remove one of them", "response_format")
+    try:
+        return tool_call_grammar(tools)
+    except FieldError as exc:
+        raise ApiError(400, str(exc), exc.param) from None
+
+
 def _informational(body: Mapping) -> None:
     """Fields taken but not used must still be well-formed."""
     if body.get("user") is not None and not isinstance(body["user"], str):
@@ -153,9 +169,6 @@ def parse_request(body: Any, engine: Engine, chat: bool) -> ApiRequest:
         raise ApiError(400, str(exc), exc.param) from None
     _informational(body)
     tools = tool_use(body, engine) if chat else None
-    if tools is not None and tools.enforced:
-        raise ApiError(400, f"'tool_choice' {tools.choice!r} needs a grammar to enforce the call, which this "
-                            "server does not have yet; use 'auto'", "tool_choice")
     try:
         ids = engine.encode(chat_text(engine, body.get("messages"), tools.tools)) if chat else _prompt(body, engine)
     except (EngineError, TokenizerMissing) as exc:
@@ -186,6 +199,13 @@ def parse_request(body: Any, engine: Engine, chat: bool) -> ApiRequest:
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise ApiError(400, "'stream_options' must be an object", "stream_options")
+    try:
+        grammar = parse_response_format(body.get("response_format"))
+        logprobs = parse_logprobs(body, chat)
+    except OptionError as exc:
+        raise ApiError(400, str(exc), exc.param) from None
+    if tools is not None and tools.enforced:
+        grammar = _forced_call(tools, grammar)
     request = Request(
         prompt=ids,
         max_tokens=max_tokens,
@@ -193,6 +213,8 @@ def parse_request(body: Any, engine: Engine, chat: bool) -> ApiRequest:
         stop=_stops(body),
         n=_number(body, "n", 1, int, 1),
         ignore_eos=ignore_eos,
+        grammar=grammar,
+        logprobs=logprobs,
     )
     return ApiRequest(request, stream, bool(options.get("include_usage")), tools)
 

@@ -74,6 +74,8 @@ def run_prompts_file(engine: Engine, path: Path, defaults: Optional[Mapping[str,
             parsed = parse_request(body, engine, chat="messages" in body)
         except ApiError as exc:
             raise PromptsFileError(f"{path}:{number}: {exc.message}") from None
+        if parsed.request.logprobs is not None:  # refused, not dropped: the printout has no place for them
+            raise PromptsFileError(f"{path}:{number}: 'logprobs' are not printed by run --prompts; remove it")
         requests.append((number, parsed.request))
     handles: list[tuple[int, RequestHandle]] = []
     for number, request in requests:

@@ -21,9 +21,10 @@ _GENERATION = frozenset({
 })
 CHAT_FIELDS = _GENERATION | {
     "messages", "max_completion_tokens", "tools", "tool_choice", "parallel_tool_calls",
+    "logprobs", "top_logprobs", "response_format",
     "metadata",  # tags for stored completions (this server stores none): taken (an object), not used
 }
-COMPLETION_FIELDS = _GENERATION | {"prompt"}
+COMPLETION_FIELDS = _GENERATION | {"prompt", "logprobs", "response_format"}
 TOKENIZE_FIELDS = frozenset({"model", "prompt", "messages", "tools", "add_special_tokens", "add_generation_prompt"})
 DETOKENIZE_FIELDS = frozenset({"model", "tokens"})
 # The keys of ``stream_options`` the server implements.
@@ -32,9 +33,7 @@ STREAM_OPTIONS_FIELDS = frozenset({"include_usage"})
 # OpenAI fields not implemented here, with the values that ask for nothing (compared by
 # type as well as value: ``false`` is not ``0``).
 NO_OP_VALUES: Mapping[str, tuple[Any, ...]] = {
-    "logprobs": (None, False),
-    "top_logprobs": (None,),
-    "response_format": (None, {"type": "text"}),
+    "top_logprobs": (None,),  # completions take logprobs=k instead
     "presence_penalty": (None, 0),
     "frequency_penalty": (None, 0),
     "logit_bias": (None, {}),

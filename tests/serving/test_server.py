@@ -126,7 +126,7 @@ def test_n_samples_and_usage_in_a_stream(base_url, oracle):  # noqa: F811
         ("/v1/completions", {"prompt": "hi", "top_p": 0}, 400, None, None),
         ("/v1/completions", {"max_tokens": 3}, 400, None, "prompt"),
         ("/v1/completions", {"prompt": [1, 99_999]}, 400, None, None),
-        ("/v1/completions", {"prompt": "hi", "logprobs": 2}, 400, None, "logprobs"),
+        ("/v1/completions", {"prompt": "hi", "logprobs": 6}, 400, None, "logprobs"),
         ("/v1/chat/completions", {"messages": "hello"}, 400, None, "messages"),
         ("/v1/nowhere", {}, 404, None, None),
     ],

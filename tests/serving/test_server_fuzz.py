@@ -45,7 +45,13 @@ COMMON = {
     "stream": st.one_of(st.booleans(), json_values),
     "stream_options": st.one_of(st.fixed_dictionaries({"include_usage": json_values}), json_values),
     "ignore_eos": st.one_of(st.booleans(), json_values),
-    "logprobs": json_values,
+    "logprobs": st.one_of(st.booleans(), st.integers(-1, 6), json_values),
+    "top_logprobs": st.one_of(st.integers(-1, 21), json_values),
+    "response_format": st.one_of(
+        st.fixed_dictionaries({"type": st.sampled_from(["text", "json_object", "json_schema"])},
+                              optional={"json_schema": st.fixed_dictionaries(
+                                  {"name": st.sampled_from(["a", "b c", ""])}, optional={"schema": json_values})}),
+        json_values),
     "echo": json_values,
     "presence_penalty": json_values,
     "frequency_penalty": json_values,
