@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 
+import jsonschema
 import openai
 import pytest
 from openai.lib.streaming.chat import ChatCompletionStreamState
@@ -151,3 +152,59 @@ def test_a_reply_cut_by_the_length_limit_keeps_finish_reason_length():
     full, chunks = shaped("hermes", CALL_TEXT["hermes"], "length")
     assert full["choices"][0]["finish_reason"] == "length" and full["choices"][0]["message"]["tool_calls"]
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def check_calls(calls, names) -> None:
+    """Each call names one of ``names`` and its arguments validate against that tool's schema."""
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    assert calls
+    for call in calls:
+        assert call.type == "function" and call.id.startswith("call_") and call.function.name in names
+        jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+
+
+@pytest.mark.parametrize("style", ["hermes", "llama3"])
+@pytest.mark.parametrize("choice", ["required", "get_time"])
+def test_a_forced_call_comes_back_parsed_and_valid(clients, style, choice):
+    """The grammar makes even a random model call: one call (parallel_tool_calls false, or a
+    named function), of an allowed function, whose arguments validate, whole and streamed."""
+    tool_choice = choice if choice == "required" else {"type": "function", "function": {"name": choice}}
+    names = {"get_weather", "get_time"} if choice == "required" else {choice}
+    kw = dict(model=MODEL, messages=TOOL_CONVERSATION[:2], tools=TOOLS, tool_choice=tool_choice,
+              parallel_tool_calls=False, max_tokens=120)
+    for seed in range(2):
+        (choice_,) = clients[style].chat.completions.create(**kw, seed=seed, temperature=1.0).choices
+        assert choice_.finish_reason == "tool_calls"
+        assert len(choice_.message.tool_calls) == 1
+        check_calls(choice_.message.tool_calls, names)
+        assert choice_.message.content is None
+
+        state = ChatCompletionStreamState(input_tools=TOOLS)
+        for chunk in clients[style].chat.completions.create(**kw, seed=seed, temperature=1.0, stream=True):
+            state.handle_chunk(chunk)
+        (streamed,) = state.get_final_completion().choices
+        assert streamed.finish_reason == "tool_calls"
+        assert [(c.function.name, c.function.arguments) for c in streamed.message.tool_calls] == \
+            [(c.function.name, c.function.arguments) for c in choice_.message.tool_calls]  # the same seed
+
+
+@pytest.mark.parametrize("style", ["hermes", "llama3"])
+def test_required_with_parallel_calls_gives_valid_calls_for_every_sample(clients, style):
+    replies = clients[style].chat.completions.create(
+        model=MODEL, messages=TOOL_CONVERSATION[:2], tools=TOOLS, tool_choice="required", n=3, seed=1,
+        temperature=1.0, max_tokens=200)
+    for choice in replies.choices:
+        if choice.finish_reason == "tool_calls":  # the grammar let the model stop after any call
+            check_calls(choice.message.tool_calls, {"get_weather", "get_time"})
+        else:  # it went on calling until max_tokens; every call it completed is valid
+            assert choice.finish_reason == "length"
+            if choice.message.tool_calls:
+                check_calls(choice.message.tool_calls, {"get_weather", "get_time"})
+    assert any(c.finish_reason == "tool_calls" for c in replies.choices)
+
+
+def test_a_forced_call_and_a_response_format_together_are_a_400(clients):
+    error = pytest.raises(openai.BadRequestError, clients["hermes"].chat.completions.create, model=MODEL,
+                          messages=TOOL_CONVERSATION[:2], tools=TOOLS, tool_choice="required",
+                          response_format={"type": "json_object"}, max_tokens=5).value
+    assert error.body["param"] == "response_format"
