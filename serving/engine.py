@@ -221,9 +221,9 @@ class EngineLoad:
     any thread may read ``Engine.load`` (for monitoring) without a lock."""
 
     waiting: int = 0  # requests submitted, not yet admitted
-    running: int = 0  # live cache sequences
+    running: int = 0  # cache sequences generating
     reserved: int = 0  # capacity units reserved by admitted requests
-    positions: int = 0  # token positions the cache holds, summed over sequences
+    positions: int = 0  # token positions the cache holds, summed over its sequences
 
 
 @dataclass(frozen=True)
@@ -660,7 +660,7 @@ class Engine:
             self._in_flight = self._dispatch(build, previous)
         if previous is not None and not previous.read:  # a constrained step reads it sooner
             self._read(previous)
-        self.load = EngineLoad(len(self._inbox) + len(self._waiting), len(self.cache.live_seqs()),
+        self.load = EngineLoad(len(self._inbox) + len(self._waiting), len(self.sequences()),
                                self._reserved, self.cache.usage().logical_positions)
         return bool(build.size) or previous is not None
 

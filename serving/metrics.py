@@ -45,7 +45,8 @@ class _EngineCollector:
             ("mlx_pte_cache_reserved", f"Cache capacity reserved by admitted requests, in {engine.kind} "
                                        "capacity units (positions or cells)", load.reserved),
             ("mlx_pte_cache_capacity", "Cache capacity, in the same units", engine.capacity),
-            ("mlx_pte_cache_positions", "Token positions the cache holds, summed over sequences", load.positions),
+            ("mlx_pte_cache_positions", "Token positions the cache holds, summed over its sequences (prompts "
+                                        "kept for reuse included)", load.positions),
             ("mlx_pte_decode_tokens_per_second", "Decode-only steps' tokens per second, over the engine's life",
              stats.decode_tps),
             ("mlx_pte_throughput_tokens_per_second", "Generated tokens per second of forward time, prefill "
