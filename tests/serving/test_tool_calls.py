@@ -9,8 +9,6 @@ import re
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from mlx_pte.interpreter.text import TextCodec
-from mlx_pte.ir.manifest import CacheLayerSpec, Manifest
 from mlx_pte.serving.chat_messages import template_messages
 from mlx_pte.serving.request_fields import FieldError
 from mlx_pte.serving.tool_calls import (
@@ -25,6 +23,7 @@ from mlx_pte.serving.tool_calls import (
 from mlx_pte.serving.tool_request import parse_tool_use
 from tests.fixtures.tiny_models import CHAT_TEMPLATE as TINY_TEMPLATE
 from tests.fixtures.tool_templates import HERMES_TEMPLATE, LLAMA3_TEMPLATE, TOOL_CONVERSATION, TOOLS
+from tests.interpreter.test_chat_template import codec_for
 
 
 def calls_of(reply) -> list[tuple[str, dict]]:
@@ -121,16 +120,6 @@ def test_the_call_format_comes_from_the_template_text():
         template_format(TINY_TEMPLATE)
     with pytest.raises(ToolsUnsupported, match="format this server does not parse"):
         template_format("{% for t in tools %}[TOOL_CALLS]{{ t | tojson }}{% endfor %}")
-
-
-def codec_for(hf_tokenizer, template: str) -> TextCodec:
-    manifest = Manifest(
-        config={}, dtype="float32", vocab_size=len(hf_tokenizer), cache=(CacheLayerSpec(0, 1, 4, 4),),
-        max_step=8, max_context=64, tokenizer=hf_tokenizer.backend_tokenizer.to_str(), chat_template=template,
-        bos_token_id=hf_tokenizer.bos_token_id, eos_token_ids=(hf_tokenizer.eos_token_id,),
-        pad_token_id=hf_tokenizer.pad_token_id,
-    )
-    return TextCodec(manifest)
 
 
 def hf_messages(messages: list[dict]) -> list[dict]:
