@@ -74,8 +74,9 @@ def _tool(tool: Any, where: str) -> dict:
         raise _fail("tools", f"{where}.function.name must be 1 to 64 letters, digits, '_' or '-'")
     if function.get("description") is not None and not isinstance(function["description"], str):
         raise _fail("tools", f"{where}.function.description must be a string")
-    if function.get("parameters") is not None and not isinstance(function["parameters"], dict):
-        raise _fail("tools", f"{where}.function.parameters must be a JSON Schema object")
+    parameters = function.get("parameters")
+    if parameters is not None and (not isinstance(parameters, dict) or parameters.get("type", "object") != "object"):
+        raise _fail("tools", f"{where}.function.parameters must be a JSON Schema of an object (the arguments)")
     if function.get("strict") not in (None, True, False):
         raise _fail("tools", f"{where}.function.strict must be true or false")
     return {"type": "function", "function": dict(function)}

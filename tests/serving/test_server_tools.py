@@ -15,6 +15,7 @@ import json
 import jsonschema
 import openai
 import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
 from openai.lib.streaming.chat import ChatCompletionStreamState
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
@@ -25,6 +26,7 @@ from mlx_pte.serving.generation import generate
 from mlx_pte.serving.openai_response import Reply
 from mlx_pte.serving.sampling import SamplingParams
 from mlx_pte.serving.tool_request import parse_tool_use
+from tests.fixtures.json_schemas import short_schemas
 from tests.fixtures.long_context import long_context_pte
 from tests.fixtures.tool_templates import HERMES_TEMPLATE, LLAMA3_TEMPLATE, TOOL_CONVERSATION, TOOLS
 from tests.serving.live_server import serving
@@ -208,3 +210,33 @@ def test_a_forced_call_and_a_response_format_together_are_a_400(clients):
                           messages=TOOL_CONVERSATION[:2], tools=TOOLS, tool_choice="required",
                           response_format={"type": "json_object"}, max_tokens=5).value
     assert error.body["param"] == "response_format"
+
+
+tool_names = st.from_regex(r"[a-z][a-z_]{0,7}", fullmatch=True)
+object_schemas = short_schemas.filter(lambda s: s.get("type") == "object")
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(style=st.sampled_from(["hermes", "llama3"]), data=st.data(),
+       schemas=st.lists(st.tuples(tool_names, object_schemas), min_size=1, max_size=2, unique_by=lambda t: t[0]),
+       parallel=st.booleans(), seed=st.integers(0, 2**31))
+def test_forced_calls_validate_for_generated_schemas(clients, style, data, schemas, parallel, seed):
+    """Any short object schema as a function's parameters: a forced reply that ends is calls
+    whose arguments validate against their function's schema (jsonschema is the oracle)."""
+    tools = [{"type": "function", "function": {"name": n, "parameters": s}} for n, s in schemas]
+    choice = data.draw(st.one_of(st.just("required"), st.sampled_from(
+        [{"type": "function", "function": {"name": n}} for n, _ in schemas])))
+    reply = clients[style].chat.completions.create(
+        model=MODEL, messages=TOOL_CONVERSATION[:2], tools=tools, tool_choice=choice, parallel_tool_calls=parallel,
+        max_tokens=150, temperature=1.0, seed=seed)
+    (answer,) = reply.choices
+    assert answer.finish_reason in ("tool_calls", "length")
+    calls = answer.message.tool_calls or []
+    if answer.finish_reason == "tool_calls":
+        assert calls and (parallel and choice == "required" or len(calls) == 1)
+    allowed = dict(schemas)
+    if choice != "required":
+        allowed = {choice["function"]["name"]: allowed[choice["function"]["name"]]}
+    for call in calls:
+        assert call.function.name in allowed
+        jsonschema.validate(json.loads(call.function.arguments), allowed[call.function.name])

@@ -174,6 +174,8 @@ def test_an_echoed_reply_message_is_accepted():
     ({"tools": [{"type": "code_interpreter"}]}, "tools", r"tools\[0\] must be"),
     ({"tools": [{**TOOLS[0], "extra": 1}]}, "tools", r"tools\[0\]\.extra"),
     ({"tools": [TOOLS[0], TOOLS[0]]}, "tools", "twice"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}]}, "tools",
+     "of an object"),
     ({"tools": TOOLS, "tool_choice": "always"}, "tool_choice", "must be one of"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",
      "not among"),
