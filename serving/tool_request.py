@@ -94,7 +94,7 @@ def _choice(value: Any, names: set[str]) -> tuple[str, Optional[str]]:
         return value, None
     function = value.get("function") if isinstance(value, dict) else None
     if (not isinstance(value, dict) or value.get("type") != "function" or set(value) != {"type", "function"}
-            or not isinstance(function, dict) or set(function) != {"name"}):
+            or not isinstance(function, dict) or set(function) != {"name"} or not isinstance(function["name"], str)):
         raise _fail("tool_choice", "'tool_choice' as an object must be {'type': 'function', 'function': {'name': ...}}")
     if function["name"] not in names:
         raise _fail("tool_choice", f"'tool_choice' names the function {str(function['name'])[:80]!r}, "

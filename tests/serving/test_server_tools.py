@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -30,6 +31,7 @@ from tests.fixtures.json_schemas import short_schemas
 from tests.fixtures.long_context import long_context_pte
 from tests.fixtures.tool_templates import HERMES_TEMPLATE, LLAMA3_TEMPLATE, TOOL_CONVERSATION, TOOLS
 from tests.serving.live_server import serving
+from tests.serving.test_server_fuzz import json_values
 from tests.serving.test_tool_calls import hf_messages
 
 MODEL = "tiny-tools"
@@ -240,3 +242,28 @@ def test_forced_calls_validate_for_generated_schemas(clients, style, data, schem
     for call in calls:
         assert call.function.name in allowed
         jsonschema.validate(json.loads(call.function.arguments), allowed[call.function.name])
+
+
+schema_keys = st.sampled_from(["type", "properties", "required", "items", "enum", "const", "minimum", "maxLength",
+                               "additionalProperties", "$ref", "anyOf", "pattern", "format"])
+schema_like = st.recursive(
+    st.one_of(json_values, st.sampled_from(["object", "string", "integer", "array", "#/x", "^a+$", "date-time"])),
+    lambda inner: st.one_of(st.lists(inner, max_size=3), st.dictionaries(st.one_of(schema_keys, st.text(max_size=4)),
+                                                                         inner, max_size=4)),
+    max_leaves=10)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(style=st.sampled_from(["hermes", "llama3"]), parameters=schema_like,
+       choice=st.sampled_from(["required", "auto", {"type": "function", "function": {"name": "f"}}]))
+def test_any_parameters_value_gets_a_reply_or_a_400(clients, style, parameters, choice):
+    """Whatever a client sends as a function's schema, the answer is a reply or a 400 naming
+    'tools' (e.g. the grammar engine refusing it), never a 500."""
+    body = {"model": MODEL, "messages": TOOL_CONVERSATION[:2], "max_tokens": 4, "tool_choice": choice,
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": parameters}}]}
+    r = httpx.post(f"{clients[style].base_url}chat/completions", content=json.dumps(body).encode(),  # \u escapes
+                   headers={"content-type": "application/json"}, timeout=120)
+    assert r.status_code in (200, 400), r.text
+    if r.status_code == 400:
+        error = r.json()["error"]
+        assert error["param"] == "tools" or "'tools'" in error["message"], r.text

@@ -180,6 +180,7 @@ def test_an_echoed_reply_message_is_accepted():
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",
      "not among"),
     ({"tool_choice": "required"}, "tool_choice", "needs 'tools'"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": []}}}, "tool_choice", "as an object"),
     ({"tools": TOOLS, "parallel_tool_calls": 1}, "parallel_tool_calls", "true or false"),
     ({"tools": [{"type": "function", "function": {**TOOLS[0]["function"], "strict": True}}]}, "tools", "strict"),
 ])
