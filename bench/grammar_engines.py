@@ -13,7 +13,8 @@ tokenizer setup (once per server), compile time per grammar, and the mask time p
 
 ``--tokenizer`` is a checkpoint directory with ``tokenizer.json`` (default: SmolLM2-135M's,
 vocab 49152, built by ``tests/fixtures/smollm2.py``). Engines that are not installed are
-listed as such. The serving side may not import torch: an engine whose import needs it is
+listed as such (only llguidance is a dependency: ``pip install xgrammar outlines-core``
+to compare; xgrammar's row needs transformers too). The serving side may not import torch: an engine whose import needs it is
 marked so (its figures are measured with torch allowed, for comparison only).
 """
 from __future__ import annotations

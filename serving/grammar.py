@@ -148,7 +148,7 @@ def json_schema_rule(schema: Mapping[str, Any]) -> str:
 class TokenVocabulary:
     """A tokenizer as the grammar engine sees it: every token's bytes and the eos ids."""
 
-    _cache: dict[tuple[int, int, tuple[int, ...]], "TokenVocabulary"] = {}
+    _cache: dict[tuple[str, int, tuple[int, ...]], "TokenVocabulary"] = {}
     _cache_lock = threading.Lock()
 
     def __init__(self, tokenizer_json: str, vocab_size: int, eos_ids: Sequence[int]) -> None:
@@ -166,7 +166,7 @@ class TokenVocabulary:
     @classmethod
     def of(cls, tokenizer_json: str, vocab_size: int, eos_ids: Sequence[int]) -> "TokenVocabulary":
         """The vocabulary of this tokenizer, built on first use and then shared."""
-        key = (hash(tokenizer_json), vocab_size, tuple(eos_ids))
+        key = (tokenizer_json, vocab_size, tuple(eos_ids))
         with cls._cache_lock:
             if key not in cls._cache:
                 cls._cache[key] = cls(tokenizer_json, vocab_size, eos_ids)
