@@ -3,8 +3,10 @@ are 400s naming them, ``/metrics`` parses as Prometheus text and counts what hap
 and ``/tokenize`` / ``/detokenize`` agree with the tokenizer itself (transformers')."""
 from __future__ import annotations
 
+import dataclasses
 import string
 import time
+from types import SimpleNamespace
 
 import httpx
 import openai
@@ -13,7 +15,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
 from mlx_pte.serving.app import create_app
-from mlx_pte.serving.engine import Engine
+from mlx_pte.serving.engine import Engine, EngineLoad, EngineStats
+from mlx_pte.serving.metrics import ServerMetrics
 from mlx_pte.serving.request_fields import CHAT_FIELDS, COMPLETION_FIELDS, NO_OP_VALUES
 from tests.fixtures.tiny_models import CHAT_TEMPLATE
 from tests.serving.live_server import serving
@@ -210,3 +213,19 @@ def test_bad_tokenize_bodies_are_400s(live, path, body, param):
 def test_tokenize_refuses_another_model(live):
     r = post(live[0], "/tokenize", {"model": "gpt-4", "prompt": "a"})
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+def test_prefix_cache_counters_are_exported_when_the_engine_counts_them():
+    """Prompt reuse (another part of the engine) reports prefix_hits and cached_tokens in its
+    stats; /metrics exports them once they exist."""
+    def families(stats) -> dict:
+        engine = SimpleNamespace(load=EngineLoad(), stats=stats, kind="batched-cell", capacity=8)
+        text = ServerMetrics(engine).exposition()[0].decode()
+        return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+
+    base = {f.name: 0 for f in dataclasses.fields(EngineStats) if f.name not in ("prefix_hits", "cached_tokens")}
+    without = families(SimpleNamespace(**base, decode_tps=0.0, throughput_tps=0.0))
+    assert not any(name.startswith("mlx_pte_prefix_cache") for name in without)
+    counted = families(SimpleNamespace(**base, decode_tps=0.0, throughput_tps=0.0, prefix_hits=3, cached_tokens=41))
+    assert counted["mlx_pte_prefix_cache_hits_total"] == 3
+    assert counted["mlx_pte_prefix_cache_hit_tokens_total"] == 41
