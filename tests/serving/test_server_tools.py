@@ -257,13 +257,12 @@ schema_like = st.recursive(
 @given(style=st.sampled_from(["hermes", "llama3"]), parameters=schema_like,
        choice=st.sampled_from(["required", "auto", {"type": "function", "function": {"name": "f"}}]))
 def test_any_parameters_value_gets_a_reply_or_a_400(clients, style, parameters, choice):
-    """Whatever a client sends as a function's schema, the answer is a reply or a 400 naming
-    'tools' (e.g. the grammar engine refusing it), never a 500."""
+    """Whatever a client sends as a function's schema, the answer is a reply or a 400 (naming
+    'tools', or a rule of the whole body), never a 500."""
     body = {"model": MODEL, "messages": TOOL_CONVERSATION[:2], "max_tokens": 4, "tool_choice": choice,
             "tools": [{"type": "function", "function": {"name": "f", "parameters": parameters}}]}
     r = httpx.post(f"{clients[style].base_url}chat/completions", content=json.dumps(body).encode(),  # \u escapes
                    headers={"content-type": "application/json"}, timeout=120)
     assert r.status_code in (200, 400), r.text
     if r.status_code == 400:
-        error = r.json()["error"]
-        assert error["param"] == "tools" or "'tools'" in error["message"], r.text
+        assert r.json()["error"]["param"] in ("tools", None), r.text  # None: a body-wide rule (huge integers)
