@@ -61,6 +61,11 @@ class TextCodec:
     def decode(self, ids: Sequence[int]) -> str:
         return self._tokenizer.decode(list(ids), skip_special_tokens=True)
 
+    def drops(self, token_text: str) -> bool:
+        """Whether ``token_text`` is one special token, whose text decoding leaves out."""
+        token_id = self._tokenizer.token_to_id(token_text)
+        return token_id is not None and token_id in self.skipped_tokens
+
     def render_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True,
                     tools: Optional[Sequence[dict]] = None) -> str:
         """The prompt text for a chat, through the manifest's chat template (sandboxed).

@@ -18,6 +18,7 @@ from .request_body import BodyError, check_value
 from .request_fields import CHAT_FIELDS, COMPLETION_FIELDS, FieldError, check_fields
 from .sampling import SamplingError, SamplingParams
 from .stops import StopStringError, StopStrings
+from .tool_calls import call_marker
 from .tool_grammar import tool_call_grammar
 from .tool_request import ToolUse, parse_tool_use
 
@@ -120,12 +121,17 @@ def chat_text(engine: Engine, messages: Any, tools: Sequence[dict] = (), add_gen
 
 
 def tool_use(body: Mapping, engine: Engine) -> ToolUse:
-    """The tool fields of a chat body, checked against the model's chat template."""
+    """The tool fields of a chat body, checked against the model's chat template and tokenizer."""
     template = engine.codec.chat_template if engine.codec is not None else None
     try:
-        return parse_tool_use(body, template.source if template is not None else None)
+        use = parse_tool_use(body, template.source if template is not None else None)
     except FieldError as exc:
         raise ApiError(400, str(exc), exc.param) from None
+    marker = call_marker(use.format) if use.parses else None
+    if marker is not None and engine.codec is not None and engine.codec.drops(marker):
+        raise ApiError(400, f"this model's tokenizer makes {marker} a special token, which decoded replies leave "
+                            "out, so its tool calls cannot be parsed; remove 'tools'", "tools")
+    return use
 
 
 def _forced_call(tools: ToolUse, response_format: Optional[Grammar]) -> Grammar:

@@ -66,6 +66,12 @@ def template_format(source: str) -> str:
                            "not parse (it parses Hermes/Qwen <tool_call> JSON and Llama-3 JSON); remove 'tools'")
 
 
+def call_marker(fmt: str) -> Optional[str]:
+    """The text that opens a call in ``fmt``, if the parser needs to see it (Llama-3 calls
+    parse without their ``<|python_tag|>``)."""
+    return HERMES_OPEN if fmt == HERMES else None
+
+
 def _new_id() -> str:
     return "call_" + uuid.uuid4().hex[:24]
 

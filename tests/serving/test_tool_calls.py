@@ -3,13 +3,16 @@ read from a template's text, and tools rendered through a template exactly as
 transformers' ``apply_chat_template`` renders them."""
 from __future__ import annotations
 
+import copy
 import json
 import re
+from types import SimpleNamespace
 
 import pytest
 from hypothesis import given, settings, strategies as st
 
 from mlx_pte.serving.chat_messages import template_messages
+from mlx_pte.serving.openai_request import ApiError, tool_use
 from mlx_pte.serving.request_fields import FieldError
 from mlx_pte.serving.tool_calls import (
     HERMES,
@@ -194,3 +197,19 @@ def test_tools_on_a_template_without_them_are_refused():
     with pytest.raises(FieldError, match="does not render tools") as info:
         parse_tool_use({"tools": TOOLS}, TINY_TEMPLATE)
     assert info.value.param == "tools"
+
+
+def test_a_tokenizer_that_makes_the_call_marker_special_is_refused(tiny_tokenizer):
+    """Decoding drops special tokens, so a call opened by a special <tool_call> could never be
+    parsed: tools are refused rather than silently never called."""
+    special = copy.deepcopy(tiny_tokenizer)
+    special.add_special_tokens({"additional_special_tokens": ["<tool_call>"]})
+    for tokenizer, refused in ((tiny_tokenizer, False), (special, True)):
+        engine = SimpleNamespace(codec=codec_for(tokenizer, HERMES_TEMPLATE))
+        if refused:
+            with pytest.raises(ApiError, match="special token") as info:
+                tool_use({"tools": TOOLS}, engine)
+            assert info.value.param == "tools"
+            tool_use({"tools": TOOLS, "tool_choice": "none"}, engine)  # not parsed: fine
+        else:
+            assert tool_use({"tools": TOOLS}, engine).parses
