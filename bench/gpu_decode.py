@@ -50,8 +50,6 @@ from step_split import host_device_ms
 from variants import FULL_PRECISION, bits_of, load_mlx_lm, parse_pte
 
 REPO = Path(__file__).resolve().parents[1]
-# The project's top-level folders map into the mlx_pte namespace (pyproject's package-dir).
-SUBPACKAGES = ("schemas", "ir", "export", "interpreter", "runtime")
 CUDA_WHEEL = "mlx_cuda_13-0.32.4-py3-none-manylinux_2_35_x86_64.whl"
 
 LLAMA_1B = dict(
@@ -85,11 +83,16 @@ def install_mlx(wheels: Path, target: Path) -> None:
 
 def project_root(dest: Path) -> Path:
     """A folder holding ``mlx_pte`` laid out as installed (symlinks into this checkout)."""
+    import tomllib
+
     pkg = dest / "mlx_pte"
     if not pkg.exists():
         shutil.copytree(REPO / "mlx_pte", pkg)
-        for name in SUBPACKAGES:
-            (pkg / name).symlink_to(REPO / name, target_is_directory=True)
+        # The top-level folders pyproject's package-dir maps into the mlx_pte namespace.
+        package_dir = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+        for name, folder in package_dir.items():
+            if name != "mlx_pte":
+                (pkg / name.removeprefix("mlx_pte.")).symlink_to(REPO / folder, target_is_directory=True)
     return dest
 
 
