@@ -119,8 +119,9 @@ def create_app(engine: Engine, model_id: str, limits: BodyLimits = BodyLimits())
 
     def parse(raw: bytes, chat: bool) -> ApiRequest:  # on a worker thread: parsing and tokenizing
         parsed = parse_request(body_of(raw), engine, chat)
-        forced = parsed.tools is not None and parsed.tools.enforced
-        needs = ("tool_choice" if forced else "response_format" if parsed.request.grammar is not None
+        tools = parsed.tools
+        needs = ("tool_choice" if tools and tools.enforced else "tools" if tools and tools.strict
+                 else "response_format" if parsed.request.grammar is not None
                  else "logprobs" if parsed.request.logprobs is not None else None)
         if needs:  # the grammar engine's vocabulary: built here on first use (~0.3 s), not on the event loop
             try:

@@ -134,15 +134,21 @@ def tool_use(body: Mapping, engine: Engine) -> ToolUse:
     return use
 
 
-def _forced_call(tools: ToolUse, response_format: Optional[Grammar]) -> Grammar:
-    """The grammar that forces the call ``tool_choice`` asks for."""
-    if response_format is not None:
-        raise ApiError(400, f"'response_format' cannot shape a reply that 'tool_choice' {tools.choice!r} makes "
-                            "a tool call; remove one of them", "response_format")
+def _reply_grammar(tools: Optional[ToolUse], response_format: Optional[Grammar]) -> Optional[Grammar]:
+    """The grammar of the reply: ``response_format``'s, or the one that keeps tool calls valid
+    (forced, or strict), never both."""
     try:
-        return tool_call_grammar(tools)
+        calls = tool_call_grammar(tools) if tools is not None else None
     except FieldError as exc:
         raise ApiError(400, str(exc), exc.param) from None
+    if calls is None:
+        return response_format
+    if response_format is not None:
+        why = (f"'tool_choice' {tools.choice!r} makes it tool calls" if tools.enforced
+               else "tool calls are strict")
+        raise ApiError(400, f"'response_format' cannot shape a reply whose {why}; remove one of them",
+                       "response_format")
+    return calls
 
 
 def _informational(body: Mapping) -> None:
@@ -210,8 +216,7 @@ def parse_request(body: Any, engine: Engine, chat: bool) -> ApiRequest:
         logprobs = parse_logprobs(body, chat)
     except OptionError as exc:
         raise ApiError(400, str(exc), exc.param) from None
-    if tools is not None and tools.enforced:
-        grammar = _forced_call(tools, grammar)
+    grammar = _reply_grammar(tools, grammar)
     request = Request(
         prompt=ids,
         max_tokens=max_tokens,

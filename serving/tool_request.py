@@ -10,7 +10,8 @@ reply is parsed in that format. ``tool_choice``:
 ``{"type": "function", "function": {"name": N}}``  the reply is one call of ``N``.
 
 The last two are enforced by a grammar over the call format, with each function's
-``parameters`` schema for its arguments (``tool_grammar``).
+``parameters`` schema for its arguments (``tool_grammar``); so are the calls of ``"auto"``
+when a function is ``strict``.
 """
 from __future__ import annotations
 
@@ -46,6 +47,12 @@ class ToolUse:
     def enforced(self) -> bool:
         """Whether the reply must be calls (a grammar makes it so)."""
         return self.choice in ("required", "function")
+
+    @property
+    def strict(self) -> bool:
+        """Whether calls the model chooses to make must validate (``auto`` with a strict function)."""
+        return self.choice == "auto" and self.format is not None and any(
+            t["function"].get("strict") for t in self.tools)
 
     @property
     def max_calls(self) -> Optional[int]:
@@ -106,8 +113,7 @@ def parse_tool_use(body: Mapping[str, Any], template_source: Optional[str]) -> T
     """The tool fields of a chat body, for a model whose chat template is ``template_source``.
 
     Raises:
-        FieldError: a malformed field, a template that cannot render tools, or a strict
-            function under ``tool_choice`` "auto" (whose calls are parsed, not constrained).
+        FieldError: a malformed field, or a template that cannot render tools.
     """
     raw = body.get("tools")
     if raw is not None and not isinstance(raw, list):
@@ -128,10 +134,4 @@ def parse_tool_use(body: Mapping[str, Any], template_source: Optional[str]) -> T
             fmt = template_format(template_source or "")
         except ToolsUnsupported as exc:
             raise _fail("tools", str(exc)) from None
-    use = ToolUse(tools, choice, function, parallel, fmt)
-    strict = [t["function"]["name"] for t in tools if t["function"].get("strict")]
-    if strict and use.choice == "auto":
-        raise _fail("tools", f"function {strict[0]!r} is strict, but with tool_choice 'auto' calls are parsed, "
-                             "not constrained; set 'tool_choice' to 'required' (or name the function), or "
-                             "'strict' to false")
-    return use
+    return ToolUse(tools, choice, function, parallel, fmt)

@@ -266,3 +266,18 @@ def test_any_parameters_value_gets_a_reply_or_a_400(clients, style, parameters, 
     assert r.status_code in (200, 400), r.text
     if r.status_code == 400:
         assert r.json()["error"]["param"] in ("tools", None), r.text  # None: a body-wide rule (huge integers)
+
+
+@pytest.mark.parametrize("style", ["hermes", "llama3"])
+def test_strict_functions_under_auto_give_text_or_valid_calls(clients, style):
+    """With a strict function the model may still answer in text; any call it makes validates
+    and a reply that ends holds no broken call."""
+    tools = [{"type": "function", "function": {**t["function"], "strict": True}} for t in TOOLS]
+    replies = clients[style].chat.completions.create(model=MODEL, messages=TOOL_CONVERSATION[:2], tools=tools, n=4,
+                                                     seed=3, temperature=1.0, max_tokens=60)
+    for choice in replies.choices:
+        assert choice.finish_reason in ("stop", "length", "tool_calls")
+        for call in choice.message.tool_calls or []:
+            check_calls([call], {"get_weather", "get_time"})
+        if choice.finish_reason == "stop":
+            assert not choice.message.tool_calls and "<tool_call>" not in (choice.message.content or "")

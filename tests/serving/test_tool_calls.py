@@ -8,6 +8,7 @@ import json
 import re
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
@@ -23,6 +24,8 @@ from mlx_pte.serving.tool_calls import (
     parse_reply,
     template_format,
 )
+from mlx_pte.serving.grammar import GrammarError, TokenVocabulary, mask_words
+from mlx_pte.serving.tool_grammar import tool_call_grammar
 from mlx_pte.serving.tool_request import parse_tool_use
 from tests.fixtures.tiny_models import CHAT_TEMPLATE as TINY_TEMPLATE
 from tests.fixtures.tool_templates import HERMES_TEMPLATE, LLAMA3_TEMPLATE, TOOL_CONVERSATION, TOOLS
@@ -185,7 +188,6 @@ def test_an_echoed_reply_message_is_accepted():
     ({"tool_choice": "required"}, "tool_choice", "needs 'tools'"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": []}}}, "tool_choice", "as an object"),
     ({"tools": TOOLS, "parallel_tool_calls": 1}, "parallel_tool_calls", "true or false"),
-    ({"tools": [{"type": "function", "function": {**TOOLS[0]["function"], "strict": True}}]}, "tools", "strict"),
 ])
 def test_bad_tool_fields_are_refused_naming_them(body, param, match):
     with pytest.raises(FieldError, match=match) as info:
@@ -213,3 +215,65 @@ def test_a_tokenizer_that_makes_the_call_marker_special_is_refused(tiny_tokenize
             tool_use({"tools": TOOLS, "tool_choice": "none"}, engine)  # not parsed: fine
         else:
             assert tool_use({"tools": TOOLS}, engine).parses
+
+
+def strict(tools: list) -> list:
+    return [{"type": "function", "function": {**t["function"], "strict": True}} for t in tools]
+
+
+WEATHER_CALL = '{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "C"}}'
+HERMES_CASES = [  # (text, whether a reply may be exactly this)
+    ("It is cold.", True),
+    ("a < b and <tool_ca", True),
+    (f"Let me look.<tool_call>\n{WEATHER_CALL}\n</tool_call>", True),
+    (f"<tool_call>\n{WEATHER_CALL}\n</tool_call>", True),
+    (f"<tool_call>\n{WEATHER_CALL}\n</tool_call>\n<tool_call>\n{WEATHER_CALL}\n</tool_call>", True),
+    ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome", "unit": "C"}}\n</tool_call>', False),
+    ('<tool_call>\n{"name": "send_mail", "arguments": {}}\n</tool_call>', False),
+    ("<tool_call>\nnot json\n</tool_call>", False),
+    (f"<tool_call>\n{WEATHER_CALL}\n</tool_call> and then text", False),
+]
+LLAMA3_CASES = [
+    ("It is cold.", True),
+    ('{"name": "get_time", "parameters": {"zone": "CET"}}', True),
+    ('{"name": "get_time", "parameters": {"zone": "CET"}}; {"name": "get_time", "parameters": {"zone": "UTC"}}', True),
+    ('{"name": "get_time", "parameters": {"zone": "PST"}}', False),
+    ('{"answer": 42}', False),
+]
+
+
+def reply_allowed(grammar, tokenizer, text: str) -> bool:
+    """Whether a reply may be exactly ``text``: every token allowed, then eos."""
+    vocabulary = TokenVocabulary.of(tokenizer.backend_tokenizer.to_str(), len(tokenizer), [tokenizer.eos_token_id])
+    matcher = vocabulary.matcher(grammar)
+    for token in tokenizer(text, add_special_tokens=False)["input_ids"]:
+        try:
+            matcher.consume(token)
+        except GrammarError:
+            return False
+    row = np.zeros(mask_words(len(tokenizer)), dtype=np.int32)
+    matcher.fill_mask(row)
+    eos = tokenizer.eos_token_id
+    return bool(row[eos // 32] >> (eos % 32) & 1)
+
+
+@pytest.mark.parametrize("template, cases", [(HERMES_TEMPLATE, HERMES_CASES), (LLAMA3_TEMPLATE, LLAMA3_CASES)],
+                         ids=["hermes", "llama3"])
+def test_strict_functions_under_auto_allow_text_or_valid_calls_only(tiny_tokenizer, template, cases):
+    """The grammar is checked token by token with the grammar engine's own matcher against
+    replies written by hand: text, or calls that validate; a broken call is refused."""
+    grammar = tool_call_grammar(parse_tool_use({"tools": strict(TOOLS)}, template))
+    assert [reply_allowed(grammar, tiny_tokenizer, text) for text, _ in cases] == [ok for _, ok in cases]
+
+
+@pytest.mark.parametrize("template, call", [
+    (HERMES_TEMPLATE, '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>'),
+    (LLAMA3_TEMPLATE, '{"name": "get_time", "parameters": {"zone": "UTC"}}')], ids=["hermes", "llama3"])
+def test_a_forced_call_allows_that_call_and_nothing_else(tiny_tokenizer, template, call):
+    named = {"type": "function", "function": {"name": "get_time"}}
+    grammar = tool_call_grammar(parse_tool_use({"tools": TOOLS, "tool_choice": named}, template))
+    assert reply_allowed(grammar, tiny_tokenizer, call)
+    assert not reply_allowed(grammar, tiny_tokenizer, "It is noon.")
+    assert not reply_allowed(grammar, tiny_tokenizer, call.replace("get_time", "get_weather"))
+    assert not reply_allowed(grammar, tiny_tokenizer, call + ("\n" + call if template == HERMES_TEMPLATE else "; " + call))
+    assert tool_call_grammar(parse_tool_use({"tools": TOOLS}, template)) is None  # auto, not strict: parsed only
