@@ -51,17 +51,27 @@ class TextCodec:
             t["id"] for t in json.loads(self._tokenizer.to_str())["added_tokens"] if t.get("special")
         )
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids as HF's tokenizer gives them (special tokens the template adds included)."""
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids as HF's tokenizer gives them (with ``add_special_tokens``, those its
+        post-processor adds, such as a bos token)."""
         # encode_batch releases the GIL (encode does not), so a long prompt tokenized on a
         # worker thread does not stall the server's event loop.
-        return self._tokenizer.encode_batch([text])[0].ids
+        return self._tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tokenizer.decode(list(ids), skip_special_tokens=True)
 
-    def render_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
+    def drops(self, token_text: str) -> bool:
+        """Whether ``token_text`` is one special token, whose text decoding leaves out."""
+        token_id = self._tokenizer.token_to_id(token_text)
+        return token_id is not None and token_id in self.skipped_tokens
+
+    def render_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True,
+                    tools: Optional[Sequence[dict]] = None) -> str:
         """The prompt text for a chat, through the manifest's chat template (sandboxed).
+
+        ``tools`` (OpenAI function tools) reach the template as HF passes them: the list as
+        given, or None when there are none.
 
         Raises:
             TokenizerMissing: the model has no chat template.
@@ -75,7 +85,8 @@ class TextCodec:
             "eos_token": self._token_text(self.eos_token_ids[0] if self.eos_token_ids else None),
             "pad_token": self._token_text(self.pad_token_id),
         }
-        return self.chat_template.render(messages, add_generation_prompt=add_generation_prompt, **special)
+        return self.chat_template.render(messages, add_generation_prompt=add_generation_prompt,
+                                         tools=list(tools) if tools else None, **special)
 
     def _token_text(self, token_id: Optional[int]) -> str:
         if token_id is None:

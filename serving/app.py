@@ -1,8 +1,9 @@
 """The OpenAI-compatible HTTP app over the batching engine.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (the manifest's chat
-template), both streaming as server-sent events when ``"stream": true``; ``GET
-/v1/models``; ``GET /health``. The engine runs on one worker thread; each HTTP request
+template; tool calls), both streaming as server-sent events when ``"stream": true``;
+``POST /tokenize`` and ``/detokenize``; ``GET /v1/models``, ``/health`` and ``/metrics``
+(Prometheus). The engine runs on one worker thread; each HTTP request
 waits on its own handle, so one bad or abandoned request never touches another.
 
 starlette and uvicorn are imported only when an app is built or served, so the command
@@ -17,9 +18,11 @@ import time
 from typing import AsyncIterator
 
 from .engine import Engine, EngineError, Event
+from .metrics import ServerMetrics
 from .openai_request import ApiError, ApiRequest, parse_request
 from .openai_response import Reply, sse
 from .request_body import BodyError, BodyLimits, ClientGone, parse_json, read_body
+from .tokenize_api import detokenize, tokenize
 
 log = logging.getLogger("uvicorn.error")  # uvicorn configures it: one line per event in its log
 
@@ -75,6 +78,14 @@ async def _until_done_or_gone(listener: _Listener, receive) -> bool:
     return False
 
 
+class _BodyRefused(Exception):
+    """A body refused while it was read; ``response`` answers it and closes the connection."""
+
+    def __init__(self, response) -> None:
+        super().__init__()
+        self.response = response
+
+
 def _error_response(error: ApiError, close: bool = False):
     from starlette.responses import JSONResponse
 
@@ -94,8 +105,9 @@ def create_app(engine: Engine, model_id: str, limits: BodyLimits = BodyLimits())
     from starlette.routing import Route
 
     created = int(time.time())
+    metrics = ServerMetrics(engine)
 
-    def parse(raw: bytes, chat: bool) -> ApiRequest:  # on a worker thread: parsing and tokenizing
+    def body_of(raw: bytes):
         try:
             body = parse_json(raw)
         except BodyError as exc:
@@ -103,8 +115,13 @@ def create_app(engine: Engine, model_id: str, limits: BodyLimits = BodyLimits())
         if isinstance(body, dict) and body.get("model") not in (None, model_id):
             raise ApiError(404, f"the model {str(body['model'])[:100]!r} does not exist; this server serves "
                                 f"{model_id!r}", "model", "model_not_found")
-        parsed = parse_request(body, engine, chat)
-        needs = ("response_format" if parsed.request.grammar is not None
+        return body
+
+    def parse(raw: bytes, chat: bool) -> ApiRequest:  # on a worker thread: parsing and tokenizing
+        parsed = parse_request(body_of(raw), engine, chat)
+        tools = parsed.tools
+        needs = ("tool_choice" if tools and tools.enforced else "tools" if tools and tools.strict
+                 else "response_format" if parsed.request.grammar is not None
                  else "logprobs" if parsed.request.logprobs is not None else None)
         if needs:  # the grammar engine's vocabulary: built here on first use (~0.3 s), not on the event loop
             try:
@@ -113,12 +130,14 @@ def create_app(engine: Engine, model_id: str, limits: BodyLimits = BodyLimits())
                 raise ApiError(400, str(exc), needs) from None
         return parsed
 
-    async def run(http: HttpRequest, chat: bool):
+    async def read(http: HttpRequest) -> bytes:
         try:
-            raw = await read_body(http.receive, http.headers, limits)
+            return await read_body(http.receive, http.headers, limits)
         except BodyError as exc:  # the rest of the body is not read: the connection closes
-            return _error_response(ApiError(exc.status, str(exc), code=exc.code), close=True)
-        parsed = await run_in_threadpool(parse, raw, chat)
+            raise _BodyRefused(_error_response(ApiError(exc.status, str(exc), code=exc.code), close=True)) from None
+
+    async def run(http: HttpRequest, chat: bool):
+        parsed = await run_in_threadpool(parse, await read(http), chat)
         listener = _Listener(parsed.request.n)
         vocabulary = engine.vocabulary() if parsed.request.logprobs is not None else None  # built by parse
         try:
@@ -126,43 +145,58 @@ def create_app(engine: Engine, model_id: str, limits: BodyLimits = BodyLimits())
         except EngineError as exc:  # malformed, or can never fit this engine
             raise ApiError(400, str(exc)) from None
         reply = Reply.new(model_id, chat, vocabulary)
+        n = parsed.request.n
         if not parsed.stream:
             try:
                 if not await _until_done_or_gone(listener, http.receive):
                     log.info("%s: client disconnected; request %d cancelled", _peer(http), handle.id)
+                    metrics.finished(handle, ["cancelled"] * n)
                     return Response(status_code=204)  # nobody reads it
+            except ApiError:
+                metrics.finished(handle, ["error"] * n)
+                raise
             finally:
                 if not handle.done:  # the client went away, or the wait failed
                     handle.cancel()
-            return JSONResponse(reply.full(handle.result(timeout=0)))
+            full = reply.full(handle.result(timeout=0), parsed.tools)
+            metrics.finished(handle, [choice["finish_reason"] for choice in full["choices"]])
+            return JSONResponse(full)
 
         async def stream():
+            samples = [reply.sample_chunks(i, parsed.tools) for i in range(n)]
+            reasons: list[str] = []
             try:
                 if chat:
-                    for i in range(parsed.request.n):
+                    for i in range(n):
                         yield sse(reply.chunk(i, None, role=True))
-                seen: dict[int, bytes] = {}  # each choice's token bytes so far (logprobs' text offsets)
                 async for event in listener.events():
                     records = (event.logprob,) if event.logprob is not None else ()
-                    if event.text or event.finish_reason or records:
-                        before = seen.get(event.index, b"")
-                        yield sse(reply.chunk(event.index, event.text, event.finish_reason,
-                                              logprobs=records, before=before))
-                        if records and vocabulary is not None:
-                            seen[event.index] = before + vocabulary.token_bytes(event.logprob.token)
+                    for chunk in samples[event.index].on(event.text, event.finish_reason, records):
+                        reasons += [c["finish_reason"] for c in chunk["choices"] if c["finish_reason"]]
+                        yield sse(chunk)
                 if parsed.include_usage:
                     yield sse(reply.usage_chunk(handle.result(timeout=0)))
             except ApiError as exc:
+                reasons = ["error"] * n
                 yield sse(exc.body())
             except Exception as exc:  # headers are sent: the error travels as an event
+                reasons = ["error"] * n
                 log.error("request %d failed while streaming: %s: %s", handle.id, type(exc).__name__, exc)
                 yield sse(ApiError(500, f"{type(exc).__name__}: {exc}", kind="server_error").body())
             finally:
                 if not handle.done:
                     handle.cancel()
+                metrics.finished(handle, reasons + ["cancelled"] * (n - len(reasons)))
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(stream(), media_type="text/event-stream")
+
+    def tokenizing(function):
+        async def endpoint(http: HttpRequest):
+            raw = await read(http)
+            return JSONResponse(await run_in_threadpool(lambda: function(body_of(raw), engine)))
+
+        return endpoint
 
     def guarded(handler):
         """Every outcome of ``handler`` is a response: errors never reach uvicorn, so the
@@ -173,6 +207,8 @@ def create_app(engine: Engine, model_id: str, limits: BodyLimits = BodyLimits())
                 return await handler(http)
             except ApiError as exc:
                 return _error_response(exc)
+            except _BodyRefused as refused:
+                return refused.response
             except ClientGone:
                 log.info("%s: client disconnected before its request body was complete", _peer(http))
                 return Response(status_code=204)
@@ -195,6 +231,10 @@ def create_app(engine: Engine, model_id: str, limits: BodyLimits = BodyLimits())
     async def health(_: HttpRequest):
         return JSONResponse({"status": "ok"})
 
+    async def metrics_text(_: HttpRequest):
+        text, content_type = metrics.exposition()
+        return Response(text, media_type=content_type)
+
     async def http_error(_: HttpRequest, exc: HTTPException):
         return _error_response(ApiError(exc.status_code, str(exc.detail)))
 
@@ -212,6 +252,9 @@ def create_app(engine: Engine, model_id: str, limits: BodyLimits = BodyLimits())
             Route("/v1/chat/completions", guarded(chat_completions), methods=["POST"]),
             Route("/v1/models", guarded(models), methods=["GET"]),
             Route("/health", guarded(health), methods=["GET"]),
+            Route("/metrics", guarded(metrics_text), methods=["GET"]),
+            Route("/tokenize", guarded(tokenizing(tokenize)), methods=["POST"]),
+            Route("/detokenize", guarded(tokenizing(detokenize)), methods=["POST"]),
         ],
         exception_handlers={HTTPException: http_error},
         lifespan=lifespan,

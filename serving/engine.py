@@ -228,6 +228,17 @@ class EngineStats:
 
 
 @dataclass(frozen=True)
+class EngineLoad:
+    """What the engine holds, as of its last step: published whole after each step, so
+    any thread may read ``Engine.load`` (for monitoring) without a lock."""
+
+    waiting: int = 0  # requests submitted, not yet admitted
+    running: int = 0  # cache sequences generating
+    reserved: int = 0  # capacity units reserved by admitted requests
+    positions: int = 0  # token positions the cache holds, summed over its sequences
+
+
+@dataclass(frozen=True)
 class SequenceState:
     """One live cache sequence as the engine accounts for it."""
 
@@ -521,6 +532,7 @@ class Engine:
         self._manifest = manifest
         self.stats = EngineStats()
         self.prompt_store = PromptStore(prompt_cache_tokens, self.cache.seq_rm)
+        self.load = EngineLoad()
 
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
@@ -670,6 +682,8 @@ class Engine:
             self._in_flight = self._dispatch(build, previous)
         if previous is not None and not previous.read:  # a constrained step reads it sooner
             self._read(previous)
+        self.load = EngineLoad(len(self._inbox) + len(self._waiting), len(self.sequences()),
+                               self._reserved, self.cache.usage().logical_positions)
         return bool(build.size) or previous is not None
 
     def run(self) -> None:

@@ -1,26 +1,32 @@
 """OpenAI request bodies (completions and chat) parsed and checked into engine Requests.
 
 No HTTP here: the app and ``run --prompts`` share it. Every field a request may carry is
-either honoured or refused with a 400 naming it; nothing is silently ignored.
+either honoured or refused with a 400 naming it (``request_fields`` lists what each endpoint
+takes); nothing is silently ignored.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
 
 from mlx_pte.interpreter.text import TokenizerMissing
 
+from .chat_messages import template_messages
 from .engine import Engine, EngineError, Request
 from .output_options import OptionError, parse_logprobs, parse_response_format
 from .request_body import BodyError, check_value
+from .request_fields import CHAT_FIELDS, COMPLETION_FIELDS, FieldError, check_fields
 from .sampling import SamplingError, SamplingParams
 from .stops import StopStringError, StopStrings
+from .tool_calls import call_marker
+from .tool_grammar import tool_call_grammar
+from .tool_request import ToolUse, parse_tool_use
+
+if TYPE_CHECKING:
+    from .grammar import Grammar
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions
 DEFAULT_CHAT_TOKENS = 256
-# Parameters this server cannot honour: a request asking for them is refused, not ignored.
-UNSUPPORTED = ("echo", "logit_bias", "tools", "functions", "suffix")
-PENALTIES = ("presence_penalty", "frequency_penalty")
 
 
 class ApiError(Exception):
@@ -46,6 +52,7 @@ class ApiRequest:
     request: Request  # its prompt already tokenized
     stream: bool
     include_usage: bool
+    tools: Optional[ToolUse] = None  # chat only
 
 
 def _number(body: Mapping, name: str, default: Any, kind: type, low: Optional[float] = None) -> Any:
@@ -90,33 +97,66 @@ def _prompt(body: Mapping, engine: Engine) -> list[int]:
     raise ApiError(400, "'prompt' must be a string or a list of token ids (one prompt per request)", "prompt")
 
 
-def _chat_prompt(body: Mapping, engine: Engine) -> list[int]:
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise ApiError(400, "'messages' must be a non-empty list of {role, content} objects", "messages")
-    rendered = []
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise ApiError(400, f"messages[{i}] must be an object with a string 'role'", "messages")
-        content = message.get("content")
-        if isinstance(content, list):  # content parts: only text is understood
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                       for p in content):
-                raise ApiError(400, f"messages[{i}].content may hold only text parts", "messages")
-            content = "".join(p["text"] for p in content)
-        if not isinstance(content, str):
-            raise ApiError(400, f"messages[{i}].content must be a string", "messages")
-        rendered.append({"role": message["role"], "content": content})
+def chat_text(engine: Engine, messages: Any, tools: Sequence[dict] = (), add_generation_prompt: bool = True) -> str:
+    """A chat body's ``messages`` (and ``tools``) rendered through the model's chat template.
+
+    Raises:
+        ApiError: malformed messages, no tokenizer or template, or a template that refused them.
+    """
+    try:
+        rendered = template_messages(messages)
+    except FieldError as exc:
+        raise ApiError(400, str(exc), exc.param) from None
     if engine.codec is None:
         raise ApiError(400, "this model embeds no tokenizer, so it cannot chat; use /v1/completions "
                             "with token ids", "messages")
     from jinja2 import TemplateError  # chat templates are jinja; only chat needs it
 
     try:
-        text = engine.codec.render_chat(rendered)
+        return engine.codec.render_chat(rendered, add_generation_prompt, tools=tools)
+    except TokenizerMissing as exc:
+        raise ApiError(400, str(exc), "messages") from None
     except TemplateError as exc:  # e.g. the template's own raise_exception on role order
         raise ApiError(400, f"the model's chat template refused these messages: {exc}", "messages") from None
-    return engine.encode(text)
+
+
+def tool_use(body: Mapping, engine: Engine) -> ToolUse:
+    """The tool fields of a chat body, checked against the model's chat template and tokenizer."""
+    template = engine.codec.chat_template if engine.codec is not None else None
+    try:
+        use = parse_tool_use(body, template.source if template is not None else None)
+    except FieldError as exc:
+        raise ApiError(400, str(exc), exc.param) from None
+    marker = call_marker(use.format) if use.parses else None
+    if marker is not None and engine.codec is not None and engine.codec.drops(marker):
+        raise ApiError(400, f"this model's tokenizer makes {marker} a special token, which decoded replies leave "
+                            "out, so its tool calls cannot be parsed; remove 'tools'", "tools")
+    return use
+
+
+def _reply_grammar(tools: Optional[ToolUse], response_format: Optional[Grammar]) -> Optional[Grammar]:
+    """The grammar of the reply: ``response_format``'s, or the one that keeps tool calls valid
+    (forced, or strict), never both."""
+    try:
+        calls = tool_call_grammar(tools) if tools is not None else None
+    except FieldError as exc:
+        raise ApiError(400, str(exc), exc.param) from None
+    if calls is None:
+        return response_format
+    if response_format is not None:
+        why = (f"'tool_choice' {tools.choice!r} makes it tool calls" if tools.enforced
+               else "tool calls are strict")
+        raise ApiError(400, f"'response_format' cannot shape a reply whose {why}; remove one of them",
+                       "response_format")
+    return calls
+
+
+def _informational(body: Mapping) -> None:
+    """Fields taken but not used must still be well-formed."""
+    if body.get("user") is not None and not isinstance(body["user"], str):
+        raise ApiError(400, "'user' must be a string", "user")
+    if body.get("metadata") is not None and not isinstance(body["metadata"], dict):
+        raise ApiError(400, "'metadata' must be an object", "metadata")
 
 
 def parse_request(body: Any, engine: Engine, chat: bool) -> ApiRequest:
@@ -134,14 +174,15 @@ def parse_request(body: Any, engine: Engine, chat: bool) -> ApiRequest:
         check_value(body)  # depth and lone surrogates, before any field is used
     except BodyError as exc:
         raise ApiError(exc.status, str(exc)) from None
-    for name in UNSUPPORTED:
-        if body.get(name) not in (None, False, 0, {}, []):
-            raise ApiError(400, f"'{name}' is not supported by this server; remove it", name)
-    for name in PENALTIES:
-        if body.get(name) not in (None, 0, 0.0):
-            raise ApiError(400, f"'{name}' is not supported by this server; remove it or set it to 0", name)
     try:
-        ids = _chat_prompt(body, engine) if chat else _prompt(body, engine)
+        check_fields(body, CHAT_FIELDS if chat else COMPLETION_FIELDS,
+                     "/v1/chat/completions" if chat else "/v1/completions")
+    except FieldError as exc:
+        raise ApiError(400, str(exc), exc.param) from None
+    _informational(body)
+    tools = tool_use(body, engine) if chat else None
+    try:
+        ids = engine.encode(chat_text(engine, body.get("messages"), tools.tools)) if chat else _prompt(body, engine)
     except (EngineError, TokenizerMissing) as exc:
         raise ApiError(400, str(exc), "messages" if chat else "prompt") from None
     token_name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
@@ -175,6 +216,7 @@ def parse_request(body: Any, engine: Engine, chat: bool) -> ApiRequest:
         logprobs = parse_logprobs(body, chat)
     except OptionError as exc:
         raise ApiError(400, str(exc), exc.param) from None
+    grammar = _reply_grammar(tools, grammar)
     request = Request(
         prompt=ids,
         max_tokens=max_tokens,
@@ -185,5 +227,5 @@ def parse_request(body: Any, engine: Engine, chat: bool) -> ApiRequest:
         grammar=grammar,
         logprobs=logprobs,
     )
-    return ApiRequest(request, stream, bool(options.get("include_usage")))
+    return ApiRequest(request, stream, bool(options.get("include_usage")), tools)
 

@@ -59,8 +59,24 @@ COMMON = {
 }
 COMPLETION = {**COMMON, "prompt": st.one_of(st.text(max_size=30), st.lists(st.integers(-5, 1100), max_size=8),
                                             json_values)}
-CHAT = {**COMMON, "messages": st.one_of(st.lists(message, max_size=3), json_values),
-        "max_completion_tokens": token_counts}
+function = st.fixed_dictionaries({"name": st.one_of(st.sampled_from(["f", "g"]), json_values)},
+                                 optional={"parameters": json_values, "strict": json_values, "x": json_values})
+tool = st.fixed_dictionaries({"type": st.one_of(st.just("function"), json_values), "function": function})
+tool_call = st.fixed_dictionaries({"id": st.one_of(st.just("c"), json_values), "type": st.just("function"),
+                                   "function": st.fixed_dictionaries({"name": json_values, "arguments": st.one_of(
+                                       st.sampled_from(['{"a": 1}', "{", "[]"]), json_values)})})
+turn = st.one_of(message, st.fixed_dictionaries({"role": st.sampled_from(["assistant", "tool", "user"]),
+                                                 "content": st.one_of(st.none(), st.text(max_size=5))},
+                                                optional={"tool_calls": st.lists(tool_call, max_size=2),
+                                                          "tool_call_id": json_values, "refusal": json_values}))
+CHAT = {**COMMON, "messages": st.one_of(st.lists(turn, max_size=3), json_values),
+        "max_completion_tokens": token_counts,
+        "tools": st.one_of(st.lists(tool, max_size=2), json_values),
+        "tool_choice": st.one_of(st.sampled_from(["none", "auto", "required"]),
+                                 st.fixed_dictionaries({"type": st.just("function"),
+                                                        "function": st.fixed_dictionaries({"name": json_values})}),
+                                 json_values),
+        "parallel_tool_calls": json_values}
 
 
 def bodies(fields: dict) -> st.SearchStrategy:

@@ -1,0 +1,89 @@
+"""``/tokenize`` and ``/detokenize``, shaped as vLLM's (llama.cpp's take the same ``tokens``).
+
+``/tokenize``: ``{"prompt": text}`` or ``{"messages": [...], "tools"?, "add_generation_prompt"?}``
+(rendered by the chat template exactly as ``/v1/chat/completions`` renders them), with
+``add_special_tokens`` (default true, as the server itself tokenizes prompts) →
+``{"tokens": [...], "count": n, "max_model_len": context}``.
+``/detokenize``: ``{"tokens": [...]}`` → ``{"prompt": text}`` (special tokens skipped, as
+generated text is decoded).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from .engine import Engine
+from .openai_request import ApiError, chat_text, tool_use
+from .request_body import BodyError, check_value
+from .request_fields import DETOKENIZE_FIELDS, TOKENIZE_FIELDS, FieldError, check_fields
+
+
+def _body(body: Any, fields: frozenset[str], endpoint: str) -> dict:
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    try:
+        check_value(body)
+        check_fields(body, fields, endpoint)
+    except BodyError as exc:
+        raise ApiError(exc.status, str(exc)) from None
+    except FieldError as exc:
+        raise ApiError(400, str(exc), exc.param) from None
+    return body
+
+
+def _flag(body: dict, name: str, default: bool) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ApiError(400, f"'{name}' must be true or false, got {value!r}", name)
+    return value
+
+
+def _codec(engine: Engine):
+    if engine.codec is None:
+        raise ApiError(400, "this model embeds no tokenizer, so it cannot tokenize or detokenize text")
+    return engine.codec
+
+
+def tokenize(body: Any, engine: Engine) -> dict:
+    """The ``/tokenize`` reply to ``body``; tokenizes, so call it off the event loop.
+
+    Raises:
+        ApiError: 400 for a malformed body (naming the field).
+    """
+    body = _body(body, TOKENIZE_FIELDS, "/tokenize")
+    codec = _codec(engine)
+    add_special = _flag(body, "add_special_tokens", True)
+    has_prompt, has_messages = body.get("prompt") is not None, body.get("messages") is not None
+    if has_prompt == has_messages:
+        raise ApiError(400, "give exactly one of 'prompt' (a string) or 'messages' (a chat)",
+                       "messages" if has_messages else "prompt")
+    if has_prompt:
+        for name in ("tools", "add_generation_prompt"):
+            if body.get(name) is not None:
+                raise ApiError(400, f"'{name}' goes with 'messages', not 'prompt'", name)
+        if not isinstance(body["prompt"], str):
+            raise ApiError(400, "'prompt' must be a string", "prompt")
+        text = body["prompt"]
+    else:
+        tools = tool_use({"tools": body.get("tools")}, engine)
+        text = chat_text(engine, body["messages"], tools.tools, _flag(body, "add_generation_prompt", True))
+    tokens = codec.encode(text, add_special_tokens=add_special)
+    return {"tokens": tokens, "count": len(tokens), "max_model_len": engine.max_context}
+
+
+def detokenize(body: Any, engine: Engine) -> dict:
+    """The ``/detokenize`` reply to ``body``.
+
+    Raises:
+        ApiError: 400 for a malformed body or a token id outside the vocabulary.
+    """
+    body = _body(body, DETOKENIZE_FIELDS, "/detokenize")
+    codec = _codec(engine)
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+        raise ApiError(400, "'tokens' must be a list of token ids", "tokens")
+    bad = [t for t in tokens if not 0 <= t < engine.vocab_size]
+    if bad:
+        raise ApiError(400, f"token ids {bad[:5]} are outside the vocabulary [0, {engine.vocab_size})", "tokens")
+    return {"prompt": codec.decode(tokens)}
