@@ -226,7 +226,7 @@ def main() -> None:
 
 
 def row(name: str, run: Run) -> str:
-    all_ttft, later = run.ttft(), run.ttft(1)
+    all_ttft, later = run.ttft(), run.ttft(1) or [float("nan")]  # one turn: no later turns
     return (f"{name:<15} {1e3 * percentile(all_ttft, 50):>9.0f} {1e3 * percentile(all_ttft, 95):>9.0f} "
             f"{1e3 * percentile(later, 50):>13.0f} {1e3 * percentile(later, 95):>7.0f} {run.tps:>7.1f} "
             f"{sum(t.prompt_tokens for t in run.turns):>11} {sum(t.cached_tokens for t in run.turns):>8}")
