@@ -51,7 +51,7 @@ OPENERS = [
 FOLLOW_UPS = ["Can you give a short example?", "What are the risks of that approach?",
               "How would you explain it to a new contributor?", "Summarize your advice in one sentence."]
 START_TIMEOUT = 600.0
-REQUEST_TIMEOUT = 600.0
+REQUEST_TIMEOUT = 3600.0  # a slow peer on a busy CPU can take minutes per prefill
 
 
 @dataclass
@@ -139,16 +139,18 @@ def wait_ready(url: str, process: subprocess.Popen) -> None:
 
 
 def warm_up(url: str, model: str, clients: int) -> None:
-    """As many concurrent requests as the workload has clients, with long prompts unrelated
-    to it: what a server compiles or allocates per shape happens before the timing."""
-    text = " ".join(f"Item {i} of the inventory is a crate of {i * 7 % 13} lamps." for i in range(60))
+    """Requests unrelated to the workload, so that what a server compiles or allocates per
+    shape happens before the timing: one long prompt (a full prefill chunk), then as many
+    concurrent short ones as the workload has clients (every decode batch size)."""
+    text = " ".join(f"Item {i} of the inventory is a crate of {i * 7 % 13} lamps." for i in range(20))
 
-    def one(i: int) -> None:
+    def one(content: str) -> None:
         with httpx.Client(timeout=REQUEST_TIMEOUT) as client:
-            chat_turn(client, url, model, [{"role": "user", "content": f"{i}: {text}"}], 8)
+            chat_turn(client, url, model, [{"role": "user", "content": content}], 8)
 
+    one(text)
     with ThreadPoolExecutor(clients) as pool:
-        list(pool.map(one, range(clients)))
+        list(pool.map(one, [f"Count to {i}." for i in range(clients)]))
 
 
 def run_server(name: str, command: list[str], port: int, model: str, args) -> Run:
@@ -199,18 +201,19 @@ def main() -> None:
     for i, name in enumerate(n for n in args.only.split(",") if n):
         command, model = servers[name]
         port = args.port + i
-        runs[name] = run_server(name, command + ["--port", str(port)], port, model, args)
-        print(f"{name}: done in {runs[name].wall:.1f} s", file=sys.stderr)
+        runs[name] = run = run_server(name, command + ["--port", str(port)], port, model, args)
+        print(f"{name}: done in {run.wall:.1f} s: {row(name, run)}", file=sys.stderr, flush=True)
+        if args.json:  # after each server, so a later failure loses nothing
+            Path(args.json).write_text(json.dumps(
+                {name: {"wall": run.wall, "turns": [vars(t) for t in run.turns]} for name, run in runs.items()},
+                indent=1))
 
     print(f"\n{args.conversations} conversations x {args.turns} turns, max_tokens {args.max_tokens}, greedy; "
           "times in ms (a shared machine: noisy)\n")
     print(f"{'server':<15} {'TTFT p50':>9} {'TTFT p95':>9} {'turns 2+ p50':>13} {'p95':>7} {'tok/s':>7} "
           f"{'prompt tok':>11} {'cached':>8}")
     for name, run in runs.items():
-        all_ttft, later = run.ttft(), run.ttft(1)
-        print(f"{name:<15} {1e3 * percentile(all_ttft, 50):>9.0f} {1e3 * percentile(all_ttft, 95):>9.0f} "
-              f"{1e3 * percentile(later, 50):>13.0f} {1e3 * percentile(later, 95):>7.0f} {run.tps:>7.1f} "
-              f"{sum(t.prompt_tokens for t in run.turns):>11} {sum(t.cached_tokens for t in run.turns):>8}")
+        print(row(name, run))
     p50 = {name: percentile(run.ttft(), 50) for name, run in runs.items()}
     if "mlx-pte-reuse" in runs and "mlx-pte-cold" in runs:
         print(f"\nTTFT p50 reuse / cold: {p50['mlx-pte-reuse'] / p50['mlx-pte-cold']:.2f} (target <= 0.5)")
@@ -220,9 +223,13 @@ def main() -> None:
     if "mlx-pte-reuse" in runs and "mlx-lm" in runs:
         print(f"TTFT p50 reuse / mlx-lm: {p50['mlx-pte-reuse'] / p50['mlx-lm']:.2f} (target <= 1)")
         print(f"aggregate tok/s reuse / mlx-lm: {runs['mlx-pte-reuse'].tps / runs['mlx-lm'].tps:.2f}")
-    if args.json:
-        Path(args.json).write_text(json.dumps(
-            {name: {"wall": run.wall, "turns": [vars(t) for t in run.turns]} for name, run in runs.items()}, indent=1))
+
+
+def row(name: str, run: Run) -> str:
+    all_ttft, later = run.ttft(), run.ttft(1) or [float("nan")]  # one turn: no later turns
+    return (f"{name:<15} {1e3 * percentile(all_ttft, 50):>9.0f} {1e3 * percentile(all_ttft, 95):>9.0f} "
+            f"{1e3 * percentile(later, 50):>13.0f} {1e3 * percentile(later, 95):>7.0f} {run.tps:>7.1f} "
+            f"{sum(t.prompt_tokens for t in run.turns):>11} {sum(t.cached_tokens for t in run.turns):>8}")
 
 
 if __name__ == "__main__":

@@ -22,15 +22,18 @@ BASES = (list(range(300, 316)), list(range(400, 412)) + [300, 301], [300, 301, 3
 TAILS = st.lists(st.integers(600, 620), min_size=0, max_size=5)
 
 
+def sample_cap(kind: str, capacity: int, max_context: int, prompt_len: int, n: int) -> int:
+    """The most positions each of ``n`` samples may hold: an equal share of the cache."""
+    if kind == "batched-cell":
+        return min(max_context, prompt_len + (capacity - prompt_len) // n)
+    return min(max_context, capacity // n)
+
+
 def worst_case_units(kind: str, capacity: int, max_context: int, prompt_len: int, n: int, max_tokens: int) -> int:
     """Capacity units ``n`` greedy samples of a prompt may hold, counted position by
     position: a sequence layout stores each sample's whole history, a cell pool stores
     the shared prompt once."""
-    if kind == "batched-cell":
-        cap = min(max_context, prompt_len + (capacity - prompt_len) // n)
-    else:
-        cap = min(max_context, capacity // n)
-    final = min(prompt_len + max_tokens - 1, cap)
+    final = min(prompt_len + max_tokens - 1, sample_cap(kind, capacity, max_context, prompt_len, n))
     if kind == "batched-cell":
         held = {("prompt", p) for p in range(prompt_len)}
         held |= {(i, p) for i in range(n) for p in range(prompt_len, final)}
@@ -102,8 +105,11 @@ def admission_machine(program, oracle, kind: str):
             for prompt, handle in [h for h in self.handles if h[1].done]:
                 self.handles.remove((prompt, handle))
                 result = handle.result(timeout=0)  # raises if it failed
-                expected = oracle(prompt, handle.request.max_tokens).tokens
-                assert [s.tokens for s in result.samples] == [expected] * handle.request.n
+                n, engine = handle.request.n, self.engine
+                # A sample whose share of the cache is full ends early ("capacity").
+                room = sample_cap(kind, engine.capacity, engine.max_context, len(prompt), n) - len(prompt) + 1
+                expected = oracle(prompt, handle.request.max_tokens).tokens[:room]
+                assert [s.tokens for s in result.samples] == [expected] * n
                 self.done.append((prompt, expected))
 
         @invariant()
