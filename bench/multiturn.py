@@ -28,6 +28,13 @@ from pathlib import Path
 
 import httpx
 
+# mlx-lm's server with the BLAS mlx-pte's processes load (runtime/mlx/blas.py): without it
+# MLX's Linux CPU wheel multiplies on its reference BLAS, ~30x slower in fp32.
+MLX_LM_SERVER = (
+    "import sys, runpy; import mlx_pte.runtime.mlx.blas; sys.argv[0] = 'mlx_lm.server'; "
+    "runpy.run_module('mlx_lm.server', run_name='__main__', alter_sys=True)"
+)
+
 SYSTEM = (
     "You are a patient assistant for a team that maintains a small Python library. "
     "Answer in plain sentences, without lists or code unless asked. The library reads "
@@ -195,7 +202,7 @@ def main() -> None:
     servers = {
         "mlx-pte-reuse": (serve, "mlx-pte"),
         "mlx-pte-cold": (serve + ["--prompt-cache-tokens", "0"], "mlx-pte"),
-        "mlx-lm": ([sys.executable, "-m", "mlx_lm.server", "--model", args.hf_dir], args.hf_dir),
+        "mlx-lm": ([sys.executable, "-c", MLX_LM_SERVER, "--model", args.hf_dir], args.hf_dir),
     }
     runs = {}
     for i, name in enumerate(n for n in args.only.split(",") if n):
