@@ -13,7 +13,7 @@ from mlx_pte.interpreter.text import TokenizerMissing
 
 from .chat_messages import template_messages
 from .engine import Engine, EngineError, Request
-from .output_options import OptionError, parse_logprobs, parse_response_format
+from .output_options import parse_logprobs, parse_response_format
 from .request_body import BodyError, check_value
 from .request_fields import CHAT_FIELDS, COMPLETION_FIELDS, FieldError, check_fields
 from .sampling import SamplingError, SamplingParams
@@ -159,6 +159,25 @@ def _informational(body: Mapping) -> None:
         raise ApiError(400, "'metadata' must be an object", "metadata")
 
 
+def checked_body(body: Any, fields: frozenset[str], endpoint: str) -> dict:
+    """``body`` if it is a JSON object holding only fields ``endpoint`` takes, checked for
+    depth and lone surrogates before any field is used.
+
+    Raises:
+        ApiError: naming what is wrong (and the field, if one is).
+    """
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    try:
+        check_value(body)
+        check_fields(body, fields, endpoint)
+    except BodyError as exc:
+        raise ApiError(exc.status, str(exc)) from None
+    except FieldError as exc:
+        raise ApiError(400, str(exc), exc.param) from None
+    return body
+
+
 def parse_request(body: Any, engine: Engine, chat: bool) -> ApiRequest:
     """An OpenAI completion (``chat=False``) or chat completion body as an engine Request.
 
@@ -168,17 +187,8 @@ def parse_request(body: Any, engine: Engine, chat: bool) -> ApiRequest:
         ApiError: a malformed body, an unsupported parameter, or a prompt plus
             ``max_tokens`` longer than the model's context.
     """
-    if not isinstance(body, dict):
-        raise ApiError(400, "the request body must be a JSON object")
-    try:
-        check_value(body)  # depth and lone surrogates, before any field is used
-    except BodyError as exc:
-        raise ApiError(exc.status, str(exc)) from None
-    try:
-        check_fields(body, CHAT_FIELDS if chat else COMPLETION_FIELDS,
-                     "/v1/chat/completions" if chat else "/v1/completions")
-    except FieldError as exc:
-        raise ApiError(400, str(exc), exc.param) from None
+    body = checked_body(body, CHAT_FIELDS if chat else COMPLETION_FIELDS,
+                        "/v1/chat/completions" if chat else "/v1/completions")
     _informational(body)
     tools = tool_use(body, engine) if chat else None
     try:
@@ -214,7 +224,7 @@ def parse_request(body: Any, engine: Engine, chat: bool) -> ApiRequest:
     try:
         grammar = parse_response_format(body.get("response_format"))
         logprobs = parse_logprobs(body, chat)
-    except OptionError as exc:
+    except FieldError as exc:
         raise ApiError(400, str(exc), exc.param) from None
     grammar = _reply_grammar(tools, grammar)
     request = Request(

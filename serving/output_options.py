@@ -2,7 +2,7 @@
 ``response_format`` (structured output) and ``logprobs`` / ``top_logprobs``; and the
 ``logprobs`` objects of the responses.
 
-Parsing needs no engine (a bad value is an ``OptionError`` naming its field, which the
+Parsing needs no engine (a bad value is a ``FieldError`` naming its field, which the
 server answers with 400); shaping turns the engine's ``TokenLogprob`` records into
 OpenAI's chat shape (``{"content": [{token, logprob, bytes, top_logprobs}]}``) or the
 legacy completions shape (``{tokens, token_logprobs, top_logprobs, text_offset}``).
@@ -14,6 +14,7 @@ import re
 from typing import TYPE_CHECKING, Any, Mapping, Optional, Protocol, Sequence
 
 from .grammar import Grammar, GrammarError
+from .request_fields import FieldError
 
 if TYPE_CHECKING:
     from .logprobs import TokenLogprob
@@ -27,14 +28,6 @@ _SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _JSON_SCHEMA_KEYS = {"name", "schema", "strict", "description"}
 
 
-class OptionError(ValueError):
-    """A bad value of request field ``param``."""
-
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(message)
-        self.param = param
-
-
 def parse_response_format(value: Any) -> Optional[Grammar]:
     """The grammar ``response_format`` asks for (None: free text).
 
@@ -45,39 +38,39 @@ def parse_response_format(value: Any) -> Optional[Grammar]:
     if value is None:
         return None
     if not isinstance(value, dict) or not isinstance(value.get("type"), str):
-        raise OptionError("response_format", "'response_format' must be an object with a string 'type'")
+        raise FieldError("response_format", "'response_format' must be an object with a string 'type'")
     kind = value["type"]
     extra = sorted(set(value) - {"type", "json_schema"} if kind == "json_schema" else set(value) - {"type"})
     if extra:
-        raise OptionError("response_format", f"'response_format' of type {kind!r} takes no field {extra[0]!r}")
+        raise FieldError("response_format", f"'response_format' of type {kind!r} takes no field {extra[0]!r}")
     if kind == "text":
         return None
     if kind == "json_object":
         return Grammar.json_object()
     if kind != "json_schema":
-        raise OptionError("response_format", f"'response_format.type' must be 'text', 'json_object' or "
+        raise FieldError("response_format", f"'response_format.type' must be 'text', 'json_object' or "
                                              f"'json_schema', got {kind!r}")
     spec = value.get("json_schema")
     if not isinstance(spec, dict):
-        raise OptionError("response_format", "'response_format.json_schema' must be an object with 'name' and 'schema'")
+        raise FieldError("response_format", "'response_format.json_schema' must be an object with 'name' and 'schema'")
     unknown = sorted(set(spec) - _JSON_SCHEMA_KEYS)
     if unknown:
-        raise OptionError("response_format", f"'response_format.json_schema' takes no field {unknown[0]!r}")
+        raise FieldError("response_format", f"'response_format.json_schema' takes no field {unknown[0]!r}")
     name = spec.get("name")
     if not isinstance(name, str) or not _SCHEMA_NAME.fullmatch(name):
-        raise OptionError("response_format", "'response_format.json_schema.name' must be 1 to 64 letters, "
+        raise FieldError("response_format", "'response_format.json_schema.name' must be 1 to 64 letters, "
                                              "digits, '_' or '-'")
     if spec.get("strict") not in (None, True, False):
-        raise OptionError("response_format", "'response_format.json_schema.strict' must be true or false")
+        raise FieldError("response_format", "'response_format.json_schema.strict' must be true or false")
     if spec.get("description") is not None and not isinstance(spec["description"], str):
-        raise OptionError("response_format", "'response_format.json_schema.description' must be a string")
+        raise FieldError("response_format", "'response_format.json_schema.description' must be a string")
     schema = spec.get("schema", {})
     if not isinstance(schema, dict):
-        raise OptionError("response_format", "'response_format.json_schema.schema' must be a JSON Schema object")
+        raise FieldError("response_format", "'response_format.json_schema.schema' must be a JSON Schema object")
     try:
         return Grammar.json_schema(schema)
     except GrammarError as exc:
-        raise OptionError("response_format", f"'response_format.json_schema.schema': {exc}") from None
+        raise FieldError("response_format", f"'response_format.json_schema.schema': {exc}") from None
 
 
 def parse_logprobs(body: Mapping[str, Any], chat: bool) -> Optional[int]:
@@ -88,20 +81,20 @@ def parse_logprobs(body: Mapping[str, Any], chat: bool) -> Optional[int]:
     if chat:
         top = body.get("top_logprobs")
         if value is not None and not isinstance(value, bool):
-            raise OptionError("logprobs", f"'logprobs' must be true or false, got {value!r}")
+            raise FieldError("logprobs", f"'logprobs' must be true or false, got {value!r}")
         if top is not None and not value:
-            raise OptionError("top_logprobs", "'top_logprobs' needs 'logprobs': true")
+            raise FieldError("top_logprobs", "'top_logprobs' needs 'logprobs': true")
         if not value:
             return None
         return _count(top, "top_logprobs", MAX_TOP_LOGPROBS) if top is not None else 0
     if body.get("top_logprobs") is not None:
-        raise OptionError("top_logprobs", "completions take 'logprobs' (an integer 0..5), not 'top_logprobs'")
+        raise FieldError("top_logprobs", "completions take 'logprobs' (an integer 0..5), not 'top_logprobs'")
     return None if value is None else _count(value, "logprobs", MAX_COMPLETION_LOGPROBS)
 
 
 def _count(value: Any, name: str, most: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= most:
-        raise OptionError(name, f"'{name}' must be an integer from 0 to {most}, got {value!r}")
+        raise FieldError(name, f"'{name}' must be an integer from 0 to {most}, got {value!r}")
     return value
 
 

@@ -54,7 +54,7 @@ NO_OP_VALUES: Mapping[str, tuple[Any, ...]] = {
 
 
 class FieldError(ValueError):
-    """A field the endpoint does not take (``param`` names it)."""
+    """A request field the endpoint does not take, or a bad value of one (``param`` names it)."""
 
     def __init__(self, param: str, message: str) -> None:
         super().__init__(message)

@@ -12,22 +12,8 @@ from __future__ import annotations
 from typing import Any
 
 from .engine import Engine
-from .openai_request import ApiError, chat_text, tool_use
-from .request_body import BodyError, check_value
-from .request_fields import DETOKENIZE_FIELDS, TOKENIZE_FIELDS, FieldError, check_fields
-
-
-def _body(body: Any, fields: frozenset[str], endpoint: str) -> dict:
-    if not isinstance(body, dict):
-        raise ApiError(400, "the request body must be a JSON object")
-    try:
-        check_value(body)
-        check_fields(body, fields, endpoint)
-    except BodyError as exc:
-        raise ApiError(exc.status, str(exc)) from None
-    except FieldError as exc:
-        raise ApiError(400, str(exc), exc.param) from None
-    return body
+from .openai_request import ApiError, chat_text, checked_body, tool_use
+from .request_fields import DETOKENIZE_FIELDS, TOKENIZE_FIELDS
 
 
 def _flag(body: dict, name: str, default: bool) -> bool:
@@ -51,7 +37,7 @@ def tokenize(body: Any, engine: Engine) -> dict:
     Raises:
         ApiError: 400 for a malformed body (naming the field).
     """
-    body = _body(body, TOKENIZE_FIELDS, "/tokenize")
+    body = checked_body(body, TOKENIZE_FIELDS, "/tokenize")
     codec = _codec(engine)
     add_special = _flag(body, "add_special_tokens", True)
     has_prompt, has_messages = body.get("prompt") is not None, body.get("messages") is not None
@@ -78,7 +64,7 @@ def detokenize(body: Any, engine: Engine) -> dict:
     Raises:
         ApiError: 400 for a malformed body or a token id outside the vocabulary.
     """
-    body = _body(body, DETOKENIZE_FIELDS, "/detokenize")
+    body = checked_body(body, DETOKENIZE_FIELDS, "/detokenize")
     codec = _codec(engine)
     tokens = body.get("tokens")
     if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):

@@ -9,12 +9,12 @@ from mlx_pte.serving.grammar import Grammar
 from mlx_pte.serving.logprobs import TokenLogprob
 from mlx_pte.serving.output_options import (
     FLOOR_LOGPROB,
-    OptionError,
     chat_logprobs,
     completion_logprobs,
     parse_logprobs,
     parse_response_format,
 )
+from mlx_pte.serving.request_fields import FieldError
 
 
 def test_response_formats():
@@ -42,7 +42,7 @@ def test_response_formats():
     ],
 )
 def test_bad_response_formats_name_the_problem(value, message):
-    with pytest.raises(OptionError, match=message) as raised:
+    with pytest.raises(FieldError, match=message) as raised:
         parse_response_format(value)
     assert raised.value.param == "response_format"
 
@@ -71,7 +71,7 @@ def test_logprob_counts(body, chat, expected):
     ],
 )
 def test_bad_logprob_counts_name_their_field(body, chat, param):
-    with pytest.raises(OptionError) as raised:
+    with pytest.raises(FieldError) as raised:
         parse_logprobs(body, chat)
     assert raised.value.param == param
 
