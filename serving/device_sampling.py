@@ -56,9 +56,9 @@ def draw(logits: mx.array, streams: Sequence[TokenStream], rows: Optional[Sequen
     sampled = [i for i, s in enumerate(streams) if not s.params.greedy]
     parts = []
     if greedy:
-        parts.append(mx.argmax(_take_rows(logits, [rows[i] for i in greedy]), axis=-1))
+        parts.append(mx.argmax(take_rows(logits, [rows[i] for i in greedy]), axis=-1))
     if sampled:
-        picked = _take_rows(logits, [rows[i] for i in sampled])
+        picked = take_rows(logits, [rows[i] for i in sampled])
         parts.append(_sample(picked, [streams[i] for i in sampled]))
     if not sampled or not greedy:
         return parts[0]
@@ -67,10 +67,11 @@ def draw(logits: mx.array, streams: Sequence[TokenStream], rows: Optional[Sequen
     return mx.concatenate(parts)[mx.array(inverse)]
 
 
-def _take_rows(logits: mx.array, rows: list[int]) -> mx.array:
-    if rows == list(range(logits.shape[0])):
-        return logits
-    return logits[mx.array(rows)]
+def take_rows(array: mx.array, rows: list[int]) -> mx.array:
+    """``array[rows]`` along the first axis, without a gather when ``rows`` is every row in order."""
+    if rows == list(range(array.shape[0])):
+        return array
+    return array[mx.array(rows)]
 
 
 def _sample(logits: mx.array, streams: list[TokenStream]) -> mx.array:

@@ -919,13 +919,10 @@ class Engine:
     def _draw(self, queued: _Queued) -> tuple["mx.array", Optional[tuple]]:
         """Token ids drawn from the step's rows, masked by each sample's grammar, and,
         when some draw wants them, the log-probabilities of those same rows (lazy)."""
-        import mlx.core as mx
         from .logprobs import logprob_arrays
 
         samples = [sample for _, sample, _ in queued.draws]
-        rows = queued.logits
-        if queued.rows != list(range(rows.shape[0])):
-            rows = rows[mx.array(queued.rows)]
+        rows = self._sampling.take_rows(queued.logits, queued.rows)
         if queued.constrained:
             from .token_masks import apply_masks
 
@@ -937,20 +934,13 @@ class Engine:
     def _masks(self, draws: list[tuple[_Job, _Sample, bool]]):
         """Each draw's allowed-token bitmask; a sample whose grammar fails here fails alone
         (its row is left unmasked, and its token unread)."""
-        import numpy as np
+        from .grammar import masks
 
-        from .grammar import GrammarError, mask_words
+        def failed(row: int, exc: Exception) -> None:
+            self._fail(draws[row][0], f"the request's grammar failed: {exc}")
 
-        masks = np.full((len(draws), mask_words(self.vocab_size)), -1, dtype=np.int32)
-        for row, (job, sample, _) in zip(masks, draws):
-            if sample.matcher is None or sample.finish_reason is not None:
-                continue
-            try:
-                sample.matcher.fill_mask(row)
-            except GrammarError as exc:
-                self._fail(job, f"the request's grammar failed: {exc}")
-                row[:] = -1
-        return masks
+        matchers = [sample.matcher if sample.finish_reason is None else None for _, sample, _ in draws]
+        return masks(matchers, self.vocab_size, on_error=failed)
 
     def _queue(self, build: _StepBuild, previous: Optional[_InFlight]) -> _Queued:
         """The step's forward and, unless a sample is constrained, its draws (lazy)."""
@@ -965,9 +955,7 @@ class Engine:
         tokens = mx.array(build.prompt, dtype=mx.int64)
         if build.feeds:
             assert previous is not None  # a sample is fed only what the previous forward drew
-            fed = previous.ids
-            if build.feeds != list(range(len(previous.draws))):
-                fed = fed[mx.array(build.feeds)]
+            fed = self._sampling.take_rows(previous.ids, build.feeds)
             tokens = mx.concatenate([fed.astype(mx.int64), tokens])
         rows = [r for r, _, _ in build.rows] or [build.size - 1]  # the program needs at least one row
         logits = self.session.forward(tokens, build.positions, build.seq_ids, rows, evaluate=False)

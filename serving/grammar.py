@@ -41,7 +41,7 @@ import contextlib
 import json
 import threading
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import numpy as np
 
@@ -223,11 +223,24 @@ class Matcher:
         return self._inner.is_stopped()
 
 
-def masks(matchers: Sequence[Optional[Matcher]], vocab_size: int) -> np.ndarray:
+def masks(matchers: Sequence[Optional[Matcher]], vocab_size: int,
+          on_error: Optional[Callable[[int, GrammarError], None]] = None) -> np.ndarray:
     """The bitmask rows of a batch of draws (int32 ``[N, mask_words(V)]``); a row without a
-    matcher allows every token."""
+    matcher allows every token.
+
+    A matcher that fails raises its GrammarError, or, given ``on_error``, is reported as
+    ``on_error(row index, error)`` and its row left allowing every token, so the other
+    rows still get their masks.
+    """
     out = np.full((len(matchers), mask_words(vocab_size)), -1, dtype=np.int32)
-    for row, matcher in zip(out, matchers):
-        if matcher is not None:
+    for i, (row, matcher) in enumerate(zip(out, matchers)):
+        if matcher is None:
+            continue
+        try:
             matcher.fill_mask(row)
+        except GrammarError as exc:
+            if on_error is None:
+                raise
+            on_error(i, exc)
+            row[:] = -1
     return out
