@@ -66,26 +66,22 @@ class ToolUse:
         return {f["name"]: f.get("parameters") or {"type": "object"} for f in functions}
 
 
-def _fail(param: str, message: str) -> FieldError:
-    return FieldError(param, message)
-
-
 def _tool(tool: Any, where: str) -> dict:
     if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
-        raise _fail("tools", f"{where} must be {{'type': 'function', 'function': {{'name': ..., ...}}}}")
+        raise FieldError("tools", f"{where} must be {{'type': 'function', 'function': {{'name': ..., ...}}}}")
     check_keys(tool, TOOL_FIELDS, {}, where, "tools")
     function = tool["function"]
     check_keys(function, FUNCTION_FIELDS, {}, f"{where}.function", "tools")
     name = function.get("name")
     if not isinstance(name, str) or not _NAME.fullmatch(name):
-        raise _fail("tools", f"{where}.function.name must be 1 to 64 letters, digits, '_' or '-'")
+        raise FieldError("tools", f"{where}.function.name must be 1 to 64 letters, digits, '_' or '-'")
     if function.get("description") is not None and not isinstance(function["description"], str):
-        raise _fail("tools", f"{where}.function.description must be a string")
+        raise FieldError("tools", f"{where}.function.description must be a string")
     parameters = function.get("parameters")
     if parameters is not None and (not isinstance(parameters, dict) or parameters.get("type", "object") != "object"):
-        raise _fail("tools", f"{where}.function.parameters must be a JSON Schema of an object (the arguments)")
+        raise FieldError("tools", f"{where}.function.parameters must be a JSON Schema of an object (the arguments)")
     if function.get("strict") not in (None, True, False):
-        raise _fail("tools", f"{where}.function.strict must be true or false")
+        raise FieldError("tools", f"{where}.function.strict must be true or false")
     return {"type": "function", "function": dict(function)}
 
 
@@ -94,17 +90,18 @@ def _choice(value: Any, names: set[str]) -> tuple[str, Optional[str]]:
         return ("auto" if names else "none"), None
     if isinstance(value, str):
         if value not in CHOICES:
-            raise _fail("tool_choice", f"'tool_choice' must be one of {', '.join(CHOICES)} or "
+            raise FieldError("tool_choice", f"'tool_choice' must be one of {', '.join(CHOICES)} or "
                                        f"{{'type': 'function', 'function': {{'name': ...}}}}, got {value!r}")
         if value == "required" and not names:
-            raise _fail("tool_choice", "'tool_choice' 'required' needs 'tools' to call")
+            raise FieldError("tool_choice", "'tool_choice' 'required' needs 'tools' to call")
         return value, None
     function = value.get("function") if isinstance(value, dict) else None
     if (not isinstance(value, dict) or value.get("type") != "function" or set(value) != {"type", "function"}
             or not isinstance(function, dict) or set(function) != {"name"} or not isinstance(function["name"], str)):
-        raise _fail("tool_choice", "'tool_choice' as an object must be {'type': 'function', 'function': {'name': ...}}")
+        raise FieldError("tool_choice",
+                         "'tool_choice' as an object must be {'type': 'function', 'function': {'name': ...}}")
     if function["name"] not in names:
-        raise _fail("tool_choice", f"'tool_choice' names the function {str(function['name'])[:80]!r}, "
+        raise FieldError("tool_choice", f"'tool_choice' names the function {str(function['name'])[:80]!r}, "
                                    f"which is not among 'tools'")
     return "function", function["name"]
 
@@ -117,21 +114,21 @@ def parse_tool_use(body: Mapping[str, Any], template_source: Optional[str]) -> T
     """
     raw = body.get("tools")
     if raw is not None and not isinstance(raw, list):
-        raise _fail("tools", "'tools' must be a list of function tools")
+        raise FieldError("tools", "'tools' must be a list of function tools")
     tools = tuple(_tool(t, f"tools[{i}]") for i, t in enumerate(raw or ()))
     names = [t["function"]["name"] for t in tools]
     if len(set(names)) < len(names):
-        raise _fail("tools", f"'tools' names a function twice: {sorted({n for n in names if names.count(n) > 1})}")
+        raise FieldError("tools", f"'tools' names a function twice: {sorted({n for n in names if names.count(n) > 1})}")
     choice, function = _choice(body.get("tool_choice"), set(names))
     parallel = body.get("parallel_tool_calls", True)
     if parallel is None:
         parallel = True
     if not isinstance(parallel, bool):
-        raise _fail("parallel_tool_calls", f"'parallel_tool_calls' must be true or false, got {parallel!r}")
+        raise FieldError("parallel_tool_calls", f"'parallel_tool_calls' must be true or false, got {parallel!r}")
     fmt = None
     if tools:
         try:
             fmt = template_format(template_source or "")
         except ToolsUnsupported as exc:
-            raise _fail("tools", str(exc)) from None
+            raise FieldError("tools", str(exc)) from None
     return ToolUse(tools, choice, function, parallel, fmt)
