@@ -63,7 +63,7 @@ def median_us(fn: Callable[[], object], setup: Callable[[], object], reps: int) 
 
 def fill(cache, seqs: int) -> list[int]:
     """``seqs`` sequences of ``HELD`` positions each, prefilled in max_write chunks."""
-    ids = [cache.seq_new() for _ in range(seqs)] if seqs else [0]
+    ids = [cache.seq_new() for _ in range(seqs)]
     for seq_id in ids:
         pos = 0
         while pos < HELD:
@@ -73,17 +73,6 @@ def fill(cache, seqs: int) -> list[int]:
             cache.finish_step()
             pos += n
     return ids
-
-
-def pos_of(cache, seq_id: int) -> int:
-    return cache.pos() if isinstance(cache, SingleCache) else cache.pos(seq_id)
-
-
-def rewind(cache, seq_id: int, position: int) -> None:
-    if isinstance(cache, SingleCache):
-        cache.rewind(position)
-    else:
-        cache.rewind(seq_id, position)
 
 
 def time_step(cache, step: Step, undo: Callable[[], None]) -> tuple[float, float]:
@@ -108,26 +97,24 @@ def cell_mask_us(cache: CellCache, step: Step) -> float:
 
 def bench_kind(name: str, make: Callable[[], object]) -> list[Row]:
     cache = make()
-    batched = not isinstance(cache, SingleCache)
-    ids = fill(cache, N_SEQS if batched else 0)
+    # One more sequence than the decode batch must fit for the prefill case to start fresh.
+    batched = cache.max_seqs() is None or cache.max_seqs() > N_SEQS
+    ids = fill(cache, N_SEQS if batched else 1)
     rows = []
 
-    decode = Step(tuple(ids), tuple(pos_of(cache, s) for s in ids))
-    d, f = time_step(cache, decode, lambda: [rewind(cache, s, HELD) for s in ids])
+    decode = Step(tuple(ids), tuple(cache.pos(s) for s in ids))
+    d, f = time_step(cache, decode, lambda: [cache.rewind(s, HELD) for s in ids])
     extra = None
     if isinstance(cache, CellCache):
         cache.declare_step(decode)
         extra = cell_mask_us(cache, decode)
     rows.append(Row(name, f"decode {len(ids)}x1", d, f, extra))
 
-    if batched:
-        fresh = cache.seq_new()
-        prefill = Step.run(0, PREFILL, fresh)
-        undo = lambda: rewind(cache, fresh, 0)  # noqa: E731
-    else:
+    if not batched:
         cache.clear()
-        prefill = Step.run(0, PREFILL)
-        undo = lambda: rewind(cache, 0, 0)  # noqa: E731
+    fresh = cache.seq_new()
+    prefill = Step.run(0, PREFILL, fresh)
+    undo = lambda: cache.rewind(fresh, 0)  # noqa: E731
     d, f = time_step(cache, prefill, undo)
     extra = None
     if isinstance(cache, CellCache):

@@ -19,6 +19,7 @@ from mlx_pte.ir.manifest import Manifest
 from mlx_pte.runtime.cache import (
     CACHE_FACTORY,
     KIND_SINGLE,
+    CacheControl,
     CacheConfig,
     CacheGeometry,
     LayerGeometry,
@@ -69,7 +70,7 @@ class Session:
         capacity: the cache's capacity (meaning per kind: see CacheConfig);
             defaults to the model's max context.
         kv_dtype: K/V storage dtype; defaults to the model's dtype.
-        max_seqs: for batched kinds, the most live sequences.
+        max_seqs: the most live sequences (``single`` holds one).
         capture: run the program captured (``mx.compile``d segments between attention
             calls, shapes bucketed: see ``interpreter.capture``); False walks the steps.
             Results are the same either way.
@@ -100,15 +101,11 @@ class Session:
             kv_dtype=kv_dtype or self.manifest.dtype,
             max_seqs=max_seqs,
         )
-        self.cache = CACHE_FACTORY.build(backend, kind, cache_geometry(self.manifest), config)
+        self.cache: CacheControl = CACHE_FACTORY.build(backend, kind, cache_geometry(self.manifest), config)
 
     @property
     def max_step(self) -> int:
         return self.manifest.max_step
-
-    @property
-    def batched(self) -> bool:
-        return self.kind != KIND_SINGLE
 
     def forward(
         self,
@@ -126,8 +123,8 @@ class Session:
                 positions, so the next step's graph is built without waiting for it.
             positions: each token's position; by default each sequence continues where
                 it ends.
-            seq_ids: each token's sequence (an int applies to every token); required for
-                batched kinds, ignored (always 0) for ``single``.
+            seq_ids: each token's sequence (an int applies to every token); by default
+                the cache's one live sequence (``single``'s sequence 0).
             rows: token indices whose logits are wanted; by default the last token of
                 each sequence in the step, in first-seen order.
             evaluate: evaluate the logits before returning. With False the caller
@@ -163,12 +160,14 @@ class Session:
         return logits
 
     def _seq_ids(self, seq_ids, count: int) -> np.ndarray:
-        if not self.batched:
-            return np.zeros(count, np.int64)
         if seq_ids is None:
-            raise SessionError(
-                f"a '{self.kind}' session needs seq_ids: create sequences with session.cache.seq_new()"
-            )
+            live = self.cache.live_seqs()
+            if len(live) != 1:
+                raise SessionError(
+                    f"this '{self.kind}' session holds {len(live)} sequences: name each token's in "
+                    "seq_ids (create sequences with session.cache.seq_new())"
+                )
+            seq_ids = live[0]
         if isinstance(seq_ids, (int, np.integer)):
             return np.full(count, int(seq_ids), np.int64)
         ids = _int_array("seq_ids", seq_ids)
@@ -186,7 +185,7 @@ class Session:
         running: dict[int, int] = {}
         for i, s in enumerate(ids.tolist()):
             if s not in running:
-                running[s] = self.cache.pos() if not self.batched else self.cache.pos(s)
+                running[s] = self.cache.pos(s)
             pos[i] = running[s]
             running[s] += 1
         return pos

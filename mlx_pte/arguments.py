@@ -9,9 +9,9 @@ import argparse
 import math
 from typing import Callable, Optional, Sequence
 
-from mlx_pte.runtime.cache import KV_DTYPES
+from mlx_pte.runtime.cache import KINDS, KV_DTYPES
 from mlx_pte.serving.app import DEFAULT_HEADER_TIMEOUT, DEFAULT_KEEP_ALIVE
-from mlx_pte.serving.engine import BATCHED_KINDS, DEFAULT_CAPACITY_CONTEXTS
+from mlx_pte.serving.engine import DEFAULT_CAPACITY_CONTEXTS
 from mlx_pte.serving.request_body import DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_BODY_BYTES, MAX_DEPTH, MAX_INT_DIGITS
 from mlx_pte.serving.sampling import GREEDY_TEMPERATURE
 from mlx_pte.serving.stops import MAX_STOP_CHARS, MAX_STOPS
@@ -106,7 +106,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=tcp_port, default=8000)
     parser.add_argument("--model-id", default=None, help="the name clients use (default: the file's stem)")
-    add_cache_arguments(parser, BATCHED_KINDS, "batched-sequence", "batched-sequence",
+    add_cache_arguments(parser, KINDS, "batched-sequence", "batched-sequence",
                         f"{DEFAULT_CAPACITY_CONTEXTS} x the model's max context")
     add_batching_arguments(parser)
     parser.add_argument("--max-body-bytes", type=positive_int, default=DEFAULT_MAX_BODY_BYTES,

@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Callable, Iterator, Optional, Sequence, Union
 
-from mlx_pte.runtime.cache import KIND_BATCHED_CELL, KIND_BATCHED_SEQUENCE, Step, Verdict, footprint, sample_share
+from mlx_pte.runtime.cache import KIND_BATCHED_SEQUENCE, Step, Verdict
 
 from .output_options import MAX_TOP_LOGPROBS
 from .sampling import SamplingParams
@@ -70,7 +70,6 @@ if TYPE_CHECKING:
 
     from .device_sampling import TokenStream
 
-BATCHED_KINDS = (KIND_BATCHED_SEQUENCE, KIND_BATCHED_CELL)
 # open_engine's default capacity, in full contexts: room for a few long requests at once.
 DEFAULT_CAPACITY_CONTEXTS = 4
 
@@ -478,7 +477,7 @@ class Engine:
 
     Args:
         program: a loaded Program.
-        kind: "batched-sequence" or "batched-cell".
+        kind: "batched-sequence", "batched-cell" or "single" (one request at a time).
         capacity: the cache's capacity (positions held by all sequences, or cells);
             defaults to the model's max context.
         max_batch_tokens: the most tokens one forward carries (clamped to the model's
@@ -501,8 +500,6 @@ class Engine:
         initial_capacity: int = 512,
         prompt_cache_tokens: int = 0,
     ) -> None:
-        if kind not in BATCHED_KINDS:
-            raise EngineError(f"the engine batches over {' or '.join(BATCHED_KINDS)}, not {kind!r}")
         if isinstance(prompt_cache_tokens, bool) or not isinstance(prompt_cache_tokens, int) or prompt_cache_tokens < 0:
             raise EngineError(f"prompt_cache_tokens must be an integer >= 0, got {prompt_cache_tokens!r}")
         # Imported here so that building requests (and the server's parsing and command
@@ -521,7 +518,7 @@ class Engine:
         manifest = self.session.manifest
         self.capacity = self.cache.capacity
         self.max_context = manifest.max_context
-        self.max_seqs = max_seqs
+        self.max_seqs = self.cache.max_seqs()
         budget = max_batch_tokens if max_batch_tokens is not None else manifest.max_step
         if budget < 1:
             raise EngineError(f"max_batch_tokens must be at least 1, got {budget}")
@@ -632,7 +629,7 @@ class Engine:
         if self.max_seqs is not None and n > self.max_seqs:
             raise RequestRejected(f"{n} samples need {n} sequences, the cache allows {self.max_seqs}; lower n")
         # Each sample's fair share of the cache, so n samples never outgrow it together.
-        cap = min(self.max_context, sample_share(self.kind, self.capacity, prompt_len, n))
+        cap = min(self.max_context, self.cache.sample_share(prompt_len, n))
         if prompt_len + 1 > cap:
             raise RequestRejected(
                 f"the prompt has {prompt_len} tokens, but each of its {n} sample(s) may hold at most "
@@ -641,7 +638,7 @@ class Engine:
             )
         # The last sampled token is never fed, so a sample holds at most prompt + max - 1.
         final_len = min(prompt_len + request.max_tokens - 1, cap)
-        return cap, footprint(self.kind, prompt_len, n, final_len)
+        return cap, self.cache.footprint(prompt_len, n, final_len)
 
     def _new_samples(self, request: Request, stops: StopStrings) -> list[_Sample]:
         return [

@@ -8,7 +8,7 @@ from typing import Callable, Optional, Sequence, Union
 import mlx_pte.runtime.mlx.blas  # noqa: F401  (before mlx.core: fast BLAS)
 import mlx.core as mx
 
-from mlx_pte.runtime.cache import CacheRefused, Step
+from mlx_pte.runtime.cache import CacheRefused
 
 from .device_sampling import TokenStream, draw
 from .sampling import SamplingParams
@@ -42,21 +42,6 @@ class GenerationResult:
         return steps / self.decode_seconds if steps > 0 and self.decode_seconds else 0.0
 
 
-def _room(session: Session, seq_id: Optional[int], n: int) -> Optional[str]:
-    """Why ``n`` more tokens of this sequence do not fit, or None."""
-    if not session.batched:
-        return session.cache.can_extend(n).reason
-    start = session.cache.pos(seq_id)
-    return session.cache.check_step(Step.run(start, min(n, session.max_step), seq_id)).reason
-
-
-def _rewind_one(session: Session, seq_id: Optional[int]) -> None:
-    if session.batched:
-        session.cache.rewind(seq_id, session.cache.pos(seq_id) - 1)
-    else:
-        session.cache.rewind(session.cache.pos() - 1)
-
-
 def generate(
     session: Session,
     prompt: Union[str, Sequence[int]],
@@ -64,30 +49,40 @@ def generate(
     sampling: SamplingParams = SamplingParams(),
     on_text: Optional[Callable[[str], None]] = None,
     stop_on_eos: bool = True,
+    seq_id: Optional[int] = None,
 ) -> GenerationResult:
     """Continue ``prompt`` by up to ``max_new_tokens`` tokens.
 
     Args:
-        session: where to run; a batched session gets a fresh sequence, removed at the end.
+        session: where to run.
         prompt: text (needs the embedded tokenizer) or token ids.
         on_text: called with each new piece of text as it is generated.
+        seq_id: a live sequence to continue (the prompt follows what it holds, and it
+            keeps the result); by default a fresh sequence, removed at the end.
     Returns:
         The generated tokens and text, why generation stopped, and timings.
+    Raises:
+        GenerationError: an empty prompt, one that does not fit, or no sequence free.
     """
     codec = TextCodec(session.manifest) if (isinstance(prompt, str) or on_text) else None
     ids = codec.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
     if not ids:
         raise GenerationError("the prompt is empty; give at least one token")
-    seq_id = session.cache.seq_new() if session.batched else None
-    try:
+    if seq_id is not None:
         return _generate(session, ids, seq_id, max_new_tokens, sampling, codec, on_text, stop_on_eos)
+    try:
+        fresh = session.cache.seq_new()
+    except CacheRefused as refused:
+        raise GenerationError(f"no sequence is free for the prompt: {refused.reason}") from None
+    try:
+        return _generate(session, ids, fresh, max_new_tokens, sampling, codec, on_text, stop_on_eos)
     finally:
-        if seq_id is not None:
-            session.cache.seq_rm(seq_id)
+        session.cache.seq_rm(fresh)
 
 
 def _generate(session, ids, seq_id, max_new_tokens, sampling, codec, on_text, stop_on_eos):
-    reason = _room(session, seq_id, len(ids))
+    cache = session.cache
+    reason = cache.can_extend(seq_id, len(ids)).reason
     if reason:
         raise GenerationError(f"the prompt ({len(ids)} tokens) does not fit: {reason}")
     result = GenerationResult(prompt_tokens=len(ids))
@@ -109,7 +104,7 @@ def _generate(session, ids, seq_id, max_new_tokens, sampling, codec, on_text, st
     while True:
         # The next step is built from the still-unevaluated token, so the host builds step
         # n+1 while the device computes step n; the cache needs only its position.
-        more = len(result.tokens) + 1 < max_new_tokens and not _room(session, seq_id, 1)
+        more = len(result.tokens) + 1 < max_new_tokens and bool(cache.can_extend(seq_id, 1))
         if more:
             logits = session.forward(pending, seq_ids=seq_id, evaluate=False)
             following = draw(logits, [stream])
@@ -126,7 +121,7 @@ def _generate(session, ids, seq_id, max_new_tokens, sampling, codec, on_text, st
         if token in eos:
             result.finish_reason = "eos"
             if more:  # it was fed already; the cache ends before the last token, as always
-                _rewind_one(session, seq_id)
+                cache.rewind(seq_id, cache.pos(seq_id) - 1)
             break
         if not more:
             result.finish_reason = "length" if len(result.tokens) >= max_new_tokens else "capacity"

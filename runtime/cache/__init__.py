@@ -4,7 +4,6 @@ It decides where each step's K/V go, what each query may read, and whether a req
 admitted. Byte layers (``runtime.mlx``, ``runtime.reference``) subclass the kinds here
 and read the declared step's plan.
 """
-from .admission import footprint, sample_share
 from .base import CacheBase, IdPool
 from .batched import BatchedSequenceCache
 from .cells import CellCache, CellStepPlan
@@ -19,7 +18,7 @@ from .errors import (
     InvalidStep,
     StepStateError,
 )
-from .faces import BatchControl, SequenceControl, StepControl
+from .faces import CacheControl, StepControl
 from .plans import FlatLayout, MaskKind, PolicyTable, RingLayout, Run, RunPlan
 from .registry import (
     CACHE_FACTORY,
@@ -29,7 +28,7 @@ from .registry import (
     KINDS,
     CacheFactory,
 )
-from .sequence import CacheUsage, SequenceHistory, SequenceStepPlan, SingleCache, SpanPlan
+from .sequence import CacheUsage, SequenceAdmission, SequenceHistory, SequenceStepPlan, SingleCache, SpanPlan
 from .step import ALLOWED, Span, Step, Verdict
 
 NEUTRAL_BACKEND = "neutral"

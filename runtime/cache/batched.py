@@ -9,17 +9,19 @@ from __future__ import annotations
 from .base import CacheBase, IdPool, not_live
 from .config import CacheConfig, CacheGeometry
 from .errors import CacheRefused
+from .base import require_count
 from .sequence import (
     CacheUsage,
+    SequenceAdmission,
     SequenceHistory,
     SequenceStepPlan,
     plan_spans,
     ring_slots,
 )
-from .step import Step, Verdict, as_index
+from .step import ALLOWED, Step, Verdict, as_index
 
 
-class BatchedSequenceCache(CacheBase[SequenceStepPlan]):
+class BatchedSequenceCache(SequenceAdmission, CacheBase[SequenceStepPlan]):
     kind = "batched-sequence"
 
     def __init__(self, geometry: CacheGeometry, config: CacheConfig) -> None:
@@ -44,6 +46,18 @@ class BatchedSequenceCache(CacheBase[SequenceStepPlan]):
 
     def free(self) -> int:
         return self.capacity - self._held
+
+    def can_extend(self, seq_id: int, n: int) -> Verdict:
+        """Whether the sequence may grow by ``n`` positions: room in the shared capacity."""
+        require_count("n", n)
+        if seq_id not in self._ids:
+            return Verdict(not_live(seq_id).reason)
+        if self._held + n > self.capacity:
+            return Verdict(
+                f"{n} more positions do not fit: {self._held} of {self.capacity} are held; "
+                "wait for sequences to finish or raise the capacity"
+            )
+        return ALLOWED
 
     def can_rewind(self, seq_id: int, position: int) -> Verdict:
         if seq_id not in self._ids:

@@ -18,7 +18,7 @@ from typing import Optional
 
 import numpy as np
 
-from .base import CacheBase, IdPool, not_live
+from .base import CacheBase, IdPool, not_live, require_count
 from .config import CacheConfig, CacheGeometry
 from .errors import CacheRefused, StepStateError
 from .sequence import CacheUsage
@@ -208,6 +208,29 @@ class CellCache(CacheBase[CellStepPlan]):
     def rewind_floor(self, seq_id: int) -> int:
         self._seq(seq_id)
         return 0
+
+    def can_extend(self, seq_id: int, n: int) -> Verdict:
+        """Whether the sequence may grow by ``n`` tokens: that many free cells."""
+        require_count("n", n)
+        if seq_id not in self._ids:
+            return Verdict(not_live(seq_id).reason)
+        free = self.capacity - self._used
+        if n > free:
+            return Verdict(
+                f"{n} more tokens need {n} cells, {free} of {self.capacity} are free; "
+                "wait for sequences to finish or raise the capacity"
+            )
+        return ALLOWED
+
+    # -- admission arithmetic: a shared prefix is stored once ------------------------------
+    def sample_share(self, prompt_len: int, n: int) -> int:
+        """Positions each of ``n`` samples of one prompt may grow to, so that together they
+        never outgrow the capacity: the prompt's cells are shared, the rest split."""
+        return prompt_len + (self.capacity - prompt_len) // n
+
+    def footprint(self, prompt_len: int, n: int, final_len: int) -> int:
+        """Cells ``n`` samples of a prompt hold once each reaches ``final_len``."""
+        return prompt_len + n * (final_len - prompt_len)
 
     def can_rewind(self, seq_id: int, position: int) -> Verdict:
         if seq_id not in self._ids:

@@ -8,10 +8,11 @@ a fork inherits it, and it bounds how far back a ring layer can resume (see
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Mapping
 
-from .base import CacheBase, require_count
+from .base import CacheBase, not_live, require_count
 from .config import CacheConfig, CacheGeometry
 from .errors import CacheRefused
 from .plans import PolicyTable, RingLayout, RunPlan
@@ -138,8 +139,46 @@ class CacheUsage:
     capacity: int
 
 
-class SingleCache(CacheBase[SequenceStepPlan]):
-    """``single``: one sequence (id 0), one length for all layers."""
+class SequenceAdmission:
+    """Admission arithmetic of the sequence layouts: every sequence, forks included, is
+    charged its whole history."""
+
+    def sample_share(self, prompt_len: int, n: int) -> int:
+        """Positions each of ``n`` samples of one prompt may grow to, so that together they
+        never outgrow the capacity."""
+        return self.capacity // n  # type: ignore[attr-defined]
+
+    def footprint(self, prompt_len: int, n: int, final_len: int) -> int:
+        """Capacity units ``n`` samples of a prompt hold once each reaches ``final_len``."""
+        return n * final_len
+
+
+# The second argument of a two-argument verb, left out: the old single face's one-argument form.
+_OMITTED = object()
+
+
+def legacy_single_call(verb: str, first: object, second: object) -> tuple[object, object]:
+    """``(seq_id, value)`` of a single-cache call that may use the old one-argument form
+    ``verb(value)`` (sequence 0 implied), which still works but warns."""
+    if second is not _OMITTED:
+        return first, second
+    warnings.warn(
+        f"{verb}(value) on a single cache is deprecated: name the sequence, {verb}(0, value), "
+        "as on every kind",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    return SingleCache.SEQ_ID, first
+
+
+class SingleCache(SequenceAdmission, CacheBase[SequenceStepPlan]):
+    """``single``: a batched cache of one implicit sequence (id 0), one length for all layers.
+
+    Sequence 0 always exists: a forward needs no ``seq_new()``. ``seq_new()`` hands it out
+    while it holds nothing (and refuses while it holds positions), ``seq_rm(0)`` empties it,
+    forks are refused (there is no second sequence to fork into). Every verb takes the
+    sequence id as on the batched kinds; ``pos()`` and ``rewind_floor()`` default to 0.
+    """
 
     kind = "single"
     SEQ_ID = 0
@@ -148,13 +187,26 @@ class SingleCache(CacheBase[SequenceStepPlan]):
         super().__init__(geometry, config)
         self.history = SequenceHistory()
 
-    # -- SequenceControl ------------------------------------------------------------
-    def pos(self) -> int:
-        """Where the next token goes (= positions held)."""
-        return self.history.length
+    # -- queries ----------------------------------------------------------------------
+    def max_seqs(self) -> int:
+        return 1
 
-    def can_extend(self, n: int = 1) -> Verdict:
+    def live_seqs(self) -> tuple[int, ...]:
+        return (self.SEQ_ID,)
+
+    def pos(self, seq_id: int = SEQ_ID) -> int:
+        """Where the next token goes (= positions held)."""
+        return self._history(seq_id).length
+
+    def can_extend(self, seq_id: object = _OMITTED, n: object = _OMITTED) -> Verdict:
+        """Whether the sequence has room for ``n`` more positions (``can_extend()``: one
+        position of sequence 0; ``can_extend(n)``, the old one-argument form, warns)."""
+        if seq_id is _OMITTED:
+            seq_id, n = self.SEQ_ID, 1 if n is _OMITTED else n
+        seq_id, n = legacy_single_call("can_extend", seq_id, n)
         require_count("n", n)
+        if as_index(seq_id) is None or seq_id != self.SEQ_ID:
+            return Verdict(not_live(seq_id).reason)
         if self.history.length + n > self.capacity:
             return Verdict(
                 f"the sequence holds {self.history.length} of {self.capacity} positions; "
@@ -162,14 +214,48 @@ class SingleCache(CacheBase[SequenceStepPlan]):
             )
         return ALLOWED
 
-    def can_rewind(self, position: int) -> Verdict:
+    def can_rewind(self, seq_id: object, position: object = _OMITTED) -> Verdict:
+        seq_id, position = legacy_single_call("can_rewind", seq_id, position)
+        if seq_id != self.SEQ_ID or as_index(seq_id) is None:
+            return Verdict(not_live(seq_id).reason)
         return self.history.rewind_verdict(position, self.policies)
 
-    def rewind_floor(self) -> int:
-        return self.history.floor(self.policies)
+    def rewind_floor(self, seq_id: int = SEQ_ID) -> int:
+        return self._history(seq_id).floor(self.policies)
 
-    def rewind(self, position: int) -> None:
-        verdict = self.can_rewind(position)
+    def can_clone(self, src: int, upto: int) -> Verdict:
+        return Verdict("the single layout holds one sequence, so it cannot fork; use a batched kind")
+
+    def usage(self) -> CacheUsage:
+        return CacheUsage(
+            self.history.length,
+            ring_slots(self.policies, self.policies.layer_layout, self.history),
+            self.capacity,
+        )
+
+    # -- verbs ------------------------------------------------------------------------
+    def seq_new(self) -> int:
+        """Sequence 0, fresh, if it holds nothing; else CacheRefused."""
+        if self.history.length:
+            raise CacheRefused(
+                f"the single layout's one sequence holds {self.history.length} positions; "
+                "empty it with seq_rm(0) first, or use a batched kind for several sequences"
+            )
+        self.history = SequenceHistory()
+        self._drop_step()
+        return self.SEQ_ID
+
+    def seq_rm(self, seq_id: int) -> None:
+        """Empty sequence 0 (it always exists)."""
+        self._history(seq_id)
+        self.clear()
+
+    def seq_clone(self, src: int, upto: int) -> int:
+        raise CacheRefused(self.can_clone(src, upto).reason or "")
+
+    def rewind(self, seq_id: object, position: object = _OMITTED) -> None:
+        seq_id, position = legacy_single_call("rewind", seq_id, position)
+        verdict = self.can_rewind(seq_id, position)
         if not verdict:
             raise CacheRefused(verdict.reason or "")
         self.history.length = as_index(position)
@@ -180,12 +266,10 @@ class SingleCache(CacheBase[SequenceStepPlan]):
         self._drop_step()
         self._clear_storage()
 
-    def usage(self) -> CacheUsage:
-        return CacheUsage(
-            self.history.length,
-            ring_slots(self.policies, self.policies.layer_layout, self.history),
-            self.capacity,
-        )
+    def _history(self, seq_id: object) -> SequenceHistory:
+        if as_index(seq_id) is None or seq_id != self.SEQ_ID:
+            raise not_live(seq_id)
+        return self.history
 
     # -- step -------------------------------------------------------------------------
     def _plan_step(self, step: Step) -> SequenceStepPlan:

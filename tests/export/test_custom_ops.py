@@ -157,7 +157,7 @@ class Transcript:
         self.tokens: dict[int, list[int]] = {}
 
     def new(self) -> int:
-        seq = self.cache.seq_new() if self.cache.kind != "single" else 0
+        seq = self.cache.seq_new()
         self.tokens[seq] = []
         return seq
 
@@ -184,10 +184,7 @@ class Transcript:
         return dst
 
     def rewind(self, seq: int, position: int) -> None:
-        if self.cache.kind == "single":
-            self.cache.rewind(position)
-        else:
-            self.cache.rewind(seq, position)
+        self.cache.rewind(seq, position)
         self.tokens[seq] = self.tokens[seq][:position]
 
 

@@ -78,7 +78,7 @@ def new_cache(ex: Exported, kind: str, capacity: int = 128):
 
 
 def new_seq(cache) -> int:
-    return cache.SEQ_ID if cache.kind == KIND_SINGLE else cache.seq_new()
+    return cache.seq_new()
 
 
 def forward(

@@ -46,7 +46,7 @@ def test_bucket_is_the_next_power_of_two_within_the_limit():
 def test_a_64_step_decode_compiles_once_per_bucket(fresh_program, kind):
     program = fresh_program("mistral")  # ring layers: the decode runs far past the window
     session = Session(program, kind=kind, capacity=256, capture=True)
-    seq = session.cache.seq_new() if session.batched else None
+    seq = session.cache.seq_new()
     per_bucket = segments(program)
     session.forward(PROMPT[:5], seq_ids=seq)  # bucket 8
     assert program.compilations == per_bucket
@@ -72,12 +72,12 @@ def scenario(session: Session) -> list[np.ndarray]:
         out.append(np.array(logits))
         return [int(t) for t in np.argmax(out[-1], axis=-1)]
 
-    if not session.batched:
+    if cache.max_seqs() == 1:  # single: no forks
         for at in range(0, len(PROMPT), 5):
             (token,) = step(PROMPT[at : at + 5])
         for _ in range(10):
             (token,) = step([token])
-        cache.rewind(cache.pos() - 3)
+        cache.rewind(0, cache.pos(0) - 3)
         for _ in range(6):
             (token,) = step([token])
         return out
@@ -124,9 +124,9 @@ def test_a_step_failing_midway_leaves_the_cache_as_before(fresh_program, kind, c
     faulty = Session(program, kind=kind, capacity=64, capture=capture)
     ids = {}
     for session in (clean, faulty):
-        ids[session] = session.cache.seq_new() if session.batched else None
+        ids[session] = session.cache.seq_new()
         session.forward(PROMPT[:9], seq_ids=ids[session])
-    before = faulty.cache.pos(ids[faulty]) if faulty.batched else faulty.cache.pos()
+    before = faulty.cache.pos(ids[faulty])
 
     real_attend = type(faulty.cache).attend
     calls = []
@@ -142,7 +142,7 @@ def test_a_step_failing_midway_leaves_the_cache_as_before(fresh_program, kind, c
     with pytest.raises(DeviceFault):
         faulty.forward(chunk, seq_ids=ids[faulty])
     assert not faulty.cache.is_declared
-    assert (faulty.cache.pos(ids[faulty]) if faulty.batched else faulty.cache.pos()) == before
+    assert (faulty.cache.pos(ids[faulty])) == before
     want = np.array(clean.forward(chunk, seq_ids=ids[clean]))
     got = np.array(faulty.forward(chunk, seq_ids=ids[faulty]))
     np.testing.assert_array_equal(got, want)

@@ -116,7 +116,7 @@ def test_a_tiny_temperature_is_greedy_without_warnings(pte, capsys):
     ("serve", ["--capacity", "0"], "--capacity"),
     ("serve", ["--max-seqs", "-2"], "--max-seqs"),
     ("serve", ["--prompt-cache-tokens", "-1"], "--prompt-cache-tokens"),
-    ("serve", ["--cache", "single"], "--cache"),
+    ("serve", ["--cache", "paged"], "--cache"),
     ("bench", ["--repeats", "0"], "--repeats"),
     ("run", ["--prompt", "hi", "--max-batch-tokens", "0"], "--max-batch-tokens"),
 ])  # fmt: skip

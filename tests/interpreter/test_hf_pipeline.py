@@ -64,7 +64,7 @@ CAPTURE = pytest.mark.parametrize("capture", [True, False], ids=["captured", "wa
 
 def new_session(ex: Exported, kind: str, capture: bool) -> tuple[Session, int | None]:
     session = Session(ex.program, kind=kind, capacity=128, capture=capture)
-    return session, (session.cache.seq_new() if session.batched else None)
+    return session, (session.cache.seq_new())
 
 
 @torch.no_grad()

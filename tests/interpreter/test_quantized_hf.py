@@ -71,7 +71,7 @@ def test_every_linear_and_embedding_that_divides_is_quantized(quantized: Quantiz
 @pytest.mark.parametrize("kind", KINDS)
 def test_logits_match_hf_with_dequantized_weights(quantized: Quantized, kind: str):
     session = Session(quantized.program, kind=kind, capacity=128)
-    seq = session.cache.seq_new() if session.batched else None
+    seq = session.cache.seq_new()
     logits = session.forward(quantized.prompt, seq_ids=seq, rows=range(PROMPT_LEN))
     with torch.no_grad():
         expected = quantized.hf(torch.tensor([quantized.prompt]), use_cache=False).logits[0].numpy()

@@ -123,8 +123,7 @@ class Harness:
     def floor(self, seq: int) -> int:
         """The oldest position every kind can resume ``seq`` at."""
         floor = max(
-            cache.rewind_floor() if kind == KIND_SINGLE else cache.rewind_floor(seq)
-            for (_, kind), cache in self.caches.items()
+            cache.rewind_floor(seq) for cache in self.caches.values()
         )
         # A sequence can always resume where it stands.
         assert floor <= self.pos[seq], f"sequence {seq} at {self.pos[seq]} has floor {floor}"
@@ -136,9 +135,8 @@ class Harness:
         results: dict[tuple[str, str], Any] = {}
         refused: dict[tuple[str, str], Optional[str]] = {}
         for (backend, kind), cache in self.caches.items():
-            call_args = args[1:] if kind == KIND_SINGLE and name == "rewind" else args
             try:
-                results[backend, kind] = getattr(cache, name)(*call_args)
+                results[backend, kind] = getattr(cache, name)(*args)
                 refused[backend, kind] = None
             except CacheRefused as refusal:
                 refused[backend, kind] = refusal.reason
@@ -296,10 +294,9 @@ def run_script(harness: Harness, data: st.DataObject, seqs: list[int], n_ops: in
 @given(setup=setups(), data=st.data())
 def test_one_sequence_agrees_across_every_kind_and_backend(setup: Setup, data) -> None:
     harness = Harness(setup, KINDS)
-    # The batched kinds hand out id 0 first: the single kind's one sequence.
-    for (_, kind), cache in harness.caches.items():
-        if kind != KIND_SINGLE:
-            assert cache.seq_new() == 0
+    # Every kind hands out id 0 first (single: its one sequence).
+    for cache in harness.caches.values():
+        assert cache.seq_new() == 0
     harness.oracle.new(0)
     harness.pos[0] = 0
     run_script(harness, data, [0], n_ops=data.draw(st.integers(1, 8)))

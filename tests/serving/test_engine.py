@@ -147,6 +147,21 @@ def test_request_that_can_never_fit_fails_at_once_with_the_reason(program, oracl
     assert ok.result(timeout=0).samples[0].tokens == oracle(PROMPTS[1], 4).tokens
 
 
+def test_a_single_cache_serves_one_request_at_a_time(program, oracle):
+    """``single`` is a batched cache of one sequence: the engine runs over it unchanged,
+    admitting the next request when the running one ends."""
+    engine = Engine(program, "single", capacity=200, prompt_cache_tokens=200)
+    with pytest.raises(RequestRejected, match="lower n"):
+        engine.submit(Request([5, 6], max_tokens=4, n=2))
+    handles = [engine.submit(Request(p, max_tokens=6, ignore_eos=True)) for p in PROMPTS]
+    engine.step()
+    assert [h.status for h in handles[1:]] == [Status.QUEUED] * 3
+    assert "sequences are taken" in handles[1].waiting_reason
+    engine.run()
+    for prompt, handle in zip(PROMPTS, handles):
+        assert handle.result(timeout=0).samples[0].tokens == oracle(prompt, 6).tokens
+
+
 def test_max_tokens_past_the_cache_ends_with_capacity(program, oracle):
     engine = Engine(program, "batched-sequence", capacity=12)
     handle = engine.submit(Request(PROMPTS[1], max_tokens=50, ignore_eos=True))

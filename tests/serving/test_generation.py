@@ -21,7 +21,7 @@ def program(tiny_checkpoint, tmp_path_factory):
 def stepwise_greedy(program, kind: str, n: int) -> tuple[list[int], int]:
     """Greedy decoding one synchronous forward at a time; returns tokens and the cache's end."""
     session = Session(program, kind=kind, capacity=64)
-    seq = session.cache.seq_new() if session.batched else None
+    seq = session.cache.seq_new()
     logits = None
     for at in range(0, len(PROMPT), 4):
         logits = session.forward(PROMPT[at : at + 4], seq_ids=seq)
@@ -29,7 +29,7 @@ def stepwise_greedy(program, kind: str, n: int) -> tuple[list[int], int]:
     while len(tokens) < n:
         logits = session.forward([tokens[-1]], seq_ids=seq)
         tokens.append(int(np.argmax(np.array(logits[0]))))
-    return tokens, session.cache.pos(seq) if session.batched else session.cache.pos()
+    return tokens, session.cache.pos(seq)
 
 
 @pytest.mark.parametrize("kind", ["single", "batched-sequence"])
@@ -38,8 +38,32 @@ def test_pipelined_greedy_equals_stepwise_and_leaves_the_same_cache(program, kin
     session = Session(program, kind=kind, capacity=64)
     got = generate(session, PROMPT, max_new_tokens=12, stop_on_eos=False)
     assert got.tokens == want and got.finish_reason == "length"
-    if not session.batched:  # the last token is never written, as in the stepwise loop
-        assert session.cache.pos() == want_end == len(PROMPT) + 11
+    assert session.cache.usage().logical_positions == 0  # its fresh sequence is removed
+    seq = session.cache.seq_new()
+    kept = generate(session, PROMPT, max_new_tokens=12, stop_on_eos=False, seq_id=seq)
+    assert kept.tokens == want
+    # The last token is never written, as in the stepwise loop.
+    assert session.cache.pos(seq) == want_end == len(PROMPT) + 11
+
+
+@pytest.mark.parametrize("kind", ["single", "batched-sequence"])
+def test_a_given_sequence_is_continued(program, kind):
+    """A second prompt on a kept sequence follows what it holds: the same as one run over
+    the first prompt, the reply the cache holds, and the second prompt."""
+    session = Session(program, kind=kind, capacity=64)
+    seq = session.cache.seq_new()
+    first = generate(session, PROMPT, max_new_tokens=4, stop_on_eos=False, seq_id=seq)
+    second = generate(session, [8, 9], max_new_tokens=4, stop_on_eos=False, seq_id=seq)
+    whole = PROMPT + first.tokens[:-1] + [8, 9]  # its last token was never fed
+    alone = generate(Session(program, kind=kind, capacity=64), whole, max_new_tokens=4, stop_on_eos=False)
+    assert second.tokens == alone.tokens
+
+
+def test_a_single_cache_in_use_is_refused_with_the_way_out(program):
+    session = Session(program, capacity=64)
+    session.forward(PROMPT[:4])  # sequence 0 needs no seq_new
+    with pytest.raises(GenerationError, match=r"seq_rm\(0\)"):
+        generate(session, PROMPT, max_new_tokens=2)
 
 
 def test_capacity_stops_generation_with_the_reason(program):

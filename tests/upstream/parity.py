@@ -57,7 +57,7 @@ def hf_logits(model: torch.nn.Module, ids: Sequence[int]) -> np.ndarray:
 
 def run_all_rows(session, ids: Sequence[int]) -> np.ndarray:
     """Logits of every position: prefill in max-step chunks, all rows selected."""
-    seq = session.cache.seq_new() if session.batched else None
+    seq = session.cache.seq_new()
     out = []
     for start in range(0, len(ids), session.max_step):
         piece = ids[start : start + session.max_step]
@@ -66,7 +66,7 @@ def run_all_rows(session, ids: Sequence[int]) -> np.ndarray:
 
 
 def greedy(session, ids: Sequence[int], new_tokens: int) -> list[int]:
-    seq = session.cache.seq_new() if session.batched else None
+    seq = session.cache.seq_new()
     for start in range(0, len(ids), session.max_step):
         logits = session.forward(ids[start : start + session.max_step], seq_ids=seq)
     tokens = []

@@ -144,12 +144,13 @@ def test_single_verbs_refuse_bad_values_and_change_nothing():
     run(cache, 0, 0, 3)
     before = snapshot(cache)
     for bad in BAD_INTS:
-        with pytest.raises(CacheRefused):
-            cache.rewind(bad)
-        assert snapshot(cache) == before
+        for call in (lambda: cache.rewind(0, bad), lambda: cache.rewind(bad, 0), lambda: cache.seq_rm(bad)):
+            with pytest.raises(CacheRefused):
+                call()
+            assert snapshot(cache) == before
     for bad in (-1, 1.5, "2", None, True):
         with pytest.raises(InvalidStep, match="non-negative integer"):
-            cache.can_extend(bad)
+            cache.can_extend(0, bad)
     assert snapshot(cache) == before
 
 

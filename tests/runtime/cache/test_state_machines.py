@@ -33,7 +33,8 @@ POLICY_SETS = st.sampled_from(["flat", "ring", "flat+ring", "flat+two rings"])
 
 class CacheMachine(RuleBasedStateMachine):
     """The model and the rules every kind shares; ``cells``/``single`` switch the rules
-    that differ by kind, and ``BatchedRules`` adds the verbs of the batched kinds."""
+    that differ by kind, and ``SequenceRules`` adds the verbs that make and drop sequences
+    (on ``single``: one implicit sequence, handed out while empty, emptied by seq_rm)."""
 
     shadow: type
     cells = False  # the cell layout: gaps allowed, forks share cells, no floor
@@ -278,13 +279,12 @@ class CacheMachine(RuleBasedStateMachine):
     @precondition(lambda self: any(self.seqs.values()))
     @rule(data=st.data())
     def rewind(self, data):
-        seq_id = 0 if self.single else self.live_choice(data)
+        seq_id = self.live_choice(data)
         position = self.position_choice(data, seq_id)
         ok = (seq_id in self.seqs and 0 <= position <= self.next_pos(seq_id)
               and position >= self.floor(seq_id))
-        args = (position,) if self.single else (seq_id, position)
-        assert bool(self.cache.can_rewind(*args)) == ok
-        self.attempt(lambda: self.cache.rewind(*args), ok)
+        assert bool(self.cache.can_rewind(seq_id, position)) == ok
+        self.attempt(lambda: self.cache.rewind(seq_id, position), ok)
         if ok:
             self.seqs[seq_id] = {p: v for p, v in self.seqs[seq_id].items() if p < position}
 
@@ -302,18 +302,18 @@ class CacheMachine(RuleBasedStateMachine):
             return
         cache = self.cache
         usage = cache.usage()
-        assert usage.logical_positions == sum(len(h) for h in self.seqs.values())
+        held = sum(len(h) for h in self.seqs.values())
+        assert usage.logical_positions == held
         assert usage.capacity == self.capacity
-        if self.single:
-            assert cache.pos() == self.next_pos(0)
-            assert cache.rewind_floor() == self.floor(0)
-            room = self.capacity - self.next_pos(0)
-            assert cache.can_extend(room) and not cache.can_extend(room + 1)
-            return
         assert cache.live_seqs() == tuple(sorted(self.seqs))
+        assert cache.max_seqs() == (1 if self.single else self.max_seqs)
+        room = self.capacity - (len(self.occupied()) if self.cells else held)
         for s in self.seqs:
             assert cache.pos(s) == self.next_pos(s)
             assert cache.rewind_floor(s) == self.floor(s)
+            assert cache.can_extend(s, room) and not cache.can_extend(s, room + 1)
+        if self.single:
+            return
         if self.cells:
             occupied = self.occupied()
             assert cache.free_cells() == self.capacity - len(occupied)
@@ -324,14 +324,17 @@ class CacheMachine(RuleBasedStateMachine):
             assert cache.held() == sum(len(h) for h in self.seqs.values())
 
 
-class BatchedRules(CacheMachine):
-    """The verbs only batched kinds have."""
+class SequenceRules(CacheMachine):
+    """Making, dropping and forking sequences."""
 
     @precondition(lambda self: len(self.seqs) < 5)
     @rule()
     def seq_new(self):
-        ok = self.max_seqs is None or len(self.seqs) < self.max_seqs
-        expected = self.lowest_id() if ok else None
+        if self.single:  # the one sequence, while it holds nothing
+            ok, expected = not self.seqs[0], 0
+        else:
+            ok = self.max_seqs is None or len(self.seqs) < self.max_seqs
+            expected = self.lowest_id() if ok else None
         got = self.attempt(self.cache.seq_new, ok)
         if ok:
             assert got == expected
@@ -344,7 +347,9 @@ class BatchedRules(CacheMachine):
         seq_id = self.live_choice(data)
         ok = seq_id in self.seqs
         self.attempt(lambda: self.cache.seq_rm(seq_id), ok)
-        if ok:
+        if ok and self.single:  # emptied, never gone
+            self.seqs[seq_id], self.written[seq_id] = {}, 0
+        elif ok:
             del self.seqs[seq_id]
 
     @precondition(lambda self: any(self.seqs.values()))
@@ -352,7 +357,7 @@ class BatchedRules(CacheMachine):
     def seq_clone(self, data):
         src = self.live_choice(data)
         upto = self.position_choice(data, src)
-        ok = self.clone_ok(src, upto)
+        ok = self.clone_ok(src, upto) and not self.single
         assert bool(self.cache.can_clone(src, upto)) == ok
         expected = self.lowest_id()
         dst = self.attempt(lambda: self.cache.seq_clone(src, upto), ok)
@@ -362,16 +367,16 @@ class BatchedRules(CacheMachine):
             self.written[dst] = self.written[src]
 
 
-class SingleMachine(CacheMachine):
+class SingleMachine(SequenceRules):
     shadow = ShadowSingle
     single = True
 
 
-class BatchedSequenceMachine(BatchedRules):
+class BatchedSequenceMachine(SequenceRules):
     shadow = ShadowBatched
 
 
-class CellMachine(BatchedRules):
+class CellMachine(SequenceRules):
     shadow = ShadowCells
     cells = True
 

@@ -11,7 +11,7 @@ import pytest
 import mlx_pte.runtime.mlx.blas  # noqa: F401  (before mlx.core)
 import mlx.core as mx
 
-from mlx_pte.runtime.cache import CACHE_FACTORY, BatchControl, SequenceControl
+from mlx_pte.runtime.cache import CACHE_FACTORY, CacheControl
 from mlx_pte.runtime.mlx import MLXBatchedSequenceCache, padded
 
 from .helpers import make_driver
@@ -201,7 +201,7 @@ def test_snapshot_survives_source_and_fork_writes():
 def test_registry_builds_the_batched_sequence_layout():
     d = make_driver(KIND, [0])
     assert isinstance(d.cache, MLXBatchedSequenceCache)
-    assert isinstance(d.cache, BatchControl) and not isinstance(d.cache, SequenceControl)
+    assert isinstance(d.cache, CacheControl)
     assert KIND in CACHE_FACTORY.kinds("mlx")
 
 

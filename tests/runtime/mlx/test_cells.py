@@ -6,7 +6,7 @@ import numpy as np
 import mlx_pte.runtime.mlx.blas  # noqa: F401  (before mlx.core)
 import mlx.core as mx
 
-from mlx_pte.runtime.cache import CACHE_FACTORY, BatchControl, SequenceControl
+from mlx_pte.runtime.cache import CACHE_FACTORY, CacheControl
 from mlx_pte.runtime.mlx import MLXCellCache
 
 from .helpers import bits, make_driver
@@ -96,5 +96,5 @@ def test_positions_with_gaps_and_softcap():
 def test_registry_builds_the_cell_layout():
     d = make_driver("batched-cell", [0])
     assert isinstance(d.cache, MLXCellCache)
-    assert isinstance(d.cache, BatchControl) and not isinstance(d.cache, SequenceControl)
+    assert isinstance(d.cache, CacheControl)
     assert "batched-cell" in CACHE_FACTORY.kinds("mlx")

@@ -29,7 +29,7 @@ def pool_bytes(cache) -> list:
 def started(kind: str):
     """A driver whose sequence holds 2 positions on both layers (flat, ring 2)."""
     d = make_driver(kind, [0, 2], max_write=2)
-    seq = d.cache.seq_new() if kind != "single" else 0
+    seq = d.cache.seq_new()
     d.prefill(seq, 0, 2)
     return d, seq
 

@@ -21,35 +21,34 @@ def run_scenario(kind: str, seed: int, steps: int = 10) -> None:
     d = make_driver(kind, WINDOWS, capacity=400, max_write=MAX_WRITE, initial_capacity=2,
                     seed=seed, softcap=rnd.choice([0.0, 0.0, 3.0]))
     cache, oracle = d.cache, d.oracle
-    live = [cache.seq_new()] if kind != "single" else [0]
+    live = [cache.seq_new()]
+    more = cache.max_seqs() is None  # single: its one sequence only
     for _ in range(steps):
         op = rnd.random()
-        if kind != "single" and op < 0.15:
+        if more and op < 0.15:
             live.append(cache.seq_new())
-        elif kind != "single" and op < 0.25 and any(cache.pos(s) for s in live):
+        elif more and op < 0.25 and any(cache.pos(s) for s in live):
             src = rnd.choice([s for s in live if cache.pos(s)])
             upto = rnd.randint(1, cache.pos(src))
             if cache.can_clone(src, upto):
                 dst = cache.seq_clone(src, upto)
                 oracle.fork(src, dst, upto)
                 live.append(dst)
-        elif kind != "single" and op < 0.32 and len(live) > 1:
+        elif more and op < 0.32 and len(live) > 1:
             gone = live.pop(rnd.randrange(len(live)))
             cache.seq_rm(gone)
             oracle.remove(gone)
         elif op < 0.4:
             seq = rnd.choice(live)
-            pos = cache.pos(seq) if kind != "single" else cache.pos()
-            target = rnd.randint(0, pos)
-            verdict = cache.can_rewind(seq, target) if kind != "single" else cache.can_rewind(target)
-            if verdict:
-                cache.rewind(seq, target) if kind != "single" else cache.rewind(target)
+            target = rnd.randint(0, cache.pos(seq))
+            if cache.can_rewind(seq, target):
+                cache.rewind(seq, target)
                 oracle.rewind(seq, target)
         # A step: a random subset of live sequences, each with 1..MAX_WRITE tokens.
         chosen = rnd.sample(live, rnd.randint(1, len(live)))
         seq_ids, positions = [], []
         for seq in chosen:
-            start = cache.pos(seq) if kind != "single" else cache.pos()
+            start = cache.pos(seq)
             n = rnd.choice([1, 1, 2, MAX_WRITE])
             seq_ids += [seq] * n
             positions += range(start, start + n)

@@ -103,7 +103,7 @@ def test_rewind_then_rewrite_reads_the_new_history():
     d = make_driver("single", [0, 4], max_write=4)
     for start in (0, 4, 8):
         d.prefill(0, start, min(4, 10 - start))
-    d.cache.rewind(7)  # the ring still holds [6, 10), overwritten next
+    d.cache.rewind(0, 7)  # the ring still holds [6, 10), overwritten next
 
     d.oracle.rewind(0, 7)
     d.prefill(0, 7, 2)

@@ -63,7 +63,7 @@ def test_one_sequence_matches_the_oracle(kind: str, schedule, softcap: float) ->
     windows = (0, 2, 6)
     cache, oracle, geo = build(kind, windows, max_write=6, initial_capacity=2, v_head_dim=5)
     rng = np.random.default_rng(len(schedule))
-    seq = cache.seq_new() if kind != "single" else 0
+    seq = cache.seq_new()
     oracle.new(seq)
     at = 0
     for count in schedule:
@@ -148,7 +148,7 @@ def test_pools_grow_by_doubling_and_rings_are_allocated_whole() -> None:
 def test_storage_holds_the_kv_dtype(kind: str, kv_dtype: str) -> None:
     cache, oracle, geo = build(kind, (0, 2), kv_dtype=kv_dtype)
     data = random_step(np.random.default_rng(9), geo, N_Q, 3)
-    seq = cache.seq_new() if kind != "single" else 0
+    seq = cache.seq_new()
     oracle.new(seq)
     step = Step.run(0, 3, seq)
     cache.declare_step(step)
@@ -183,7 +183,7 @@ def bad_calls(q, k, v):
 def test_a_bad_call_is_refused_before_anything_is_written(kind: str) -> None:
     cache, oracle, geo = build(kind, (0, 2))
     rng = np.random.default_rng(10)
-    seq = cache.seq_new() if kind != "single" else 0
+    seq = cache.seq_new()
     oracle.new(seq)
     run_and_check(cache, oracle, Step.run(0, 2, seq), random_step(rng, geo, N_Q, 2))
     step = Step.run(2, 3, seq)
@@ -213,7 +213,7 @@ def test_attend_needs_a_declared_step(kind: str) -> None:
     args = [torch.from_numpy(x[0]) for x in (data.q, data.k, data.v)]
     with pytest.raises(StepStateError, match="declare_step"):
         cache.attend(0, *args, 0.5)
-    seq = cache.seq_new() if kind != "single" else 0
+    seq = cache.seq_new()
     cache.declare_step(Step((seq,), (0,)))
     cache.finish_step()
     with pytest.raises(StepStateError):
@@ -224,7 +224,7 @@ def test_attend_needs_a_declared_step(kind: str) -> None:
 def test_an_aborted_step_leaves_the_history_as_it_was(kind: str) -> None:
     cache, oracle, geo = build(kind, (0, 3), max_write=3)
     rng = np.random.default_rng(12)
-    seq = cache.seq_new() if kind != "single" else 0
+    seq = cache.seq_new()
     oracle.new(seq)
     for at in (0, 3):
         run_and_check(cache, oracle, Step.run(at, 3, seq), random_step(rng, geo, N_Q, 3))
@@ -239,11 +239,10 @@ def test_an_aborted_step_leaves_the_history_as_it_was(kind: str) -> None:
 def test_rewind_then_continue_matches_the_oracle(kind: str) -> None:
     cache, oracle, geo = build(kind, (0, 2), max_write=4)
     rng = np.random.default_rng(13)
-    seq = cache.seq_new() if kind != "single" else 0
+    seq = cache.seq_new()
     oracle.new(seq)
     run_and_check(cache, oracle, Step.run(0, 4, seq), random_step(rng, geo, N_Q, 4))
-    rewind = cache.rewind if kind == "single" else (lambda p: cache.rewind(seq, p))
-    rewind(3)
+    cache.rewind(seq, 3)
     oracle.rewind(seq, 3)
     run_and_check(cache, oracle, Step.run(3, 3, seq), random_step(rng, geo, N_Q, 3))
 
@@ -252,7 +251,7 @@ def test_rewind_then_continue_matches_the_oracle(kind: str) -> None:
 def test_clear_and_seq_rm_drop_storage(kind: str) -> None:
     cache, oracle, geo = build(kind, (0,))
     rng = np.random.default_rng(14)
-    seq = cache.seq_new() if kind != "single" else 0
+    seq = cache.seq_new()
     oracle.new(seq)
     run_and_check(cache, oracle, Step.run(0, 3, seq), random_step(rng, geo, N_Q, 3))
     if kind == "batched-sequence":
@@ -261,7 +260,7 @@ def test_clear_and_seq_rm_drop_storage(kind: str) -> None:
         seq = cache.seq_new()
     cache.clear()
     assert all(t.shape[2] == 0 for t in _storage(cache))
-    seq = cache.seq_new() if kind != "single" else 0
+    seq = cache.seq_new()
     oracle = HistoryOracle((0,))
     oracle.new(seq)
     run_and_check(cache, oracle, Step.run(0, 2, seq), random_step(rng, geo, N_Q, 2))
