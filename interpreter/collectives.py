@@ -1,0 +1,62 @@
+"""The MLX side of a sharded program: the ``all_sum`` handler, the process groups it names,
+and the slicing of each rank's weights (``ir.sharding`` plans it).
+
+A group is registered once and named by a small int in the graph, since an attribute
+cannot hold a live ``mx.distributed.Group``.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import mlx_pte.runtime.mlx.blas  # noqa: F401  (load an optimized BLAS before mlx.core)
+import mlx.core as mx
+
+from mlx_pte.ir.graph import Graph
+from mlx_pte.ir.sharding import ConstantSlice, plan_shards
+
+from .handlers import HANDLERS, Args, RunContext
+
+_GROUPS: list[Any] = []
+
+
+def register_group(group: Any) -> int:
+    """The id ``all_sum`` instructions use for ``group`` (the same id for the same group)."""
+    for i, known in enumerate(_GROUPS):
+        if known is group:
+            return i
+    _GROUPS.append(group)
+    return len(_GROUPS) - 1
+
+
+def _all_sum(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx.array:
+    return mx.distributed.all_sum(args[0], group=_GROUPS[attrs["group"]])
+
+
+HANDLERS["all_sum"] = _all_sum
+
+
+def take_slice(array: mx.array, sl: ConstantSlice, rank: int, size: int) -> mx.array:
+    """Rank ``rank``'s share of ``array`` (copied, so the whole array can be freed)."""
+    pieces = []
+    for start, stop in sl.ranges(rank, size):
+        index = [slice(None)] * array.ndim
+        index[sl.axis] = slice(start, stop)
+        pieces.append(array[tuple(index)])
+    share = pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=sl.axis)
+    share = mx.contiguous(share)
+    mx.eval(share)
+    return share
+
+
+def shard_program(
+    graph: Graph, weights: Mapping[int, mx.array], manifest: Mapping[str, Any], group: Any
+) -> tuple[Graph, dict[int, mx.array], dict[str, Any]]:
+    """``graph``, its weights and manifest rewritten for this process's rank of ``group``.
+
+    Raises:
+        ShardingError: the program cannot be split over the group's size (why, and what to do).
+    """
+    rank, size = group.rank(), group.size()
+    plan = plan_shards(graph, manifest, rank, size, register_group(group))
+    sharded = {s: (take_slice(a, plan.slices[s], rank, size) if s in plan.slices else a) for s, a in weights.items()}
+    return plan.graph, sharded, plan.manifest
