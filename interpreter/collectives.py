@@ -11,7 +11,8 @@ from typing import Any, Mapping
 import mlx_pte.runtime.mlx.blas  # noqa: F401  (load an optimized BLAS before mlx.core)
 import mlx.core as mx
 
-from mlx_pte.ir.graph import Graph
+from mlx_pte.ir.graph import Graph, TensorType
+from mlx_pte.ir.payload import ITEMSIZE
 from mlx_pte.ir.sharding import ConstantSlice, plan_shards
 
 from .handlers import HANDLERS, Args, RunContext
@@ -60,3 +61,15 @@ def shard_program(
     plan = plan_shards(graph, manifest, rank, size, register_group(group))
     sharded = {s: (take_slice(a, plan.slices[s], rank, size) if s in plan.slices else a) for s, a in weights.items()}
     return plan.graph, sharded, plan.manifest
+
+
+def all_sum_bytes_per_token(graph: Graph) -> int:
+    """Bytes one token's forward hands to ``all_sum`` on each rank (the ring moves about
+    ``2 (N - 1) / N`` times this in and out of every rank)."""
+    total = 0
+    for instr in graph.instructions:
+        if instr.op == "all_sum":
+            t = graph.slots[instr.outputs[0]].type
+            assert isinstance(t, TensorType) and t.shape is not None and isinstance(t.shape[-1], int)
+            total += t.shape[-1] * ITEMSIZE[t.dtype]  # type: ignore[index]
+    return total
