@@ -94,15 +94,19 @@ def lost_ranks(group: Any) -> Iterator[None]:
         raise RankLostError(f"rank {rank}: {who} stopped ({exc}); every rank stops") from None
 
 
-def _free_ports(n: int) -> list[int]:
+def write_local_hostfile(path: Path, n: int) -> Path:
+    """A ring hostfile (MLX's JSON: one list of ``ip:port`` per rank) of ``n`` ranks on this
+    host, on ports free right now."""
     sockets = [socket.socket() for _ in range(n)]
     try:
         for s in sockets:
             s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
+        ports = [s.getsockname()[1] for s in sockets]
     finally:
         for s in sockets:
             s.close()
+    path.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in ports]))
+    return path
 
 
 def without_tp(argv: Sequence[str]) -> list[str]:
@@ -134,11 +138,10 @@ def launch_local(n: int, argv: Sequence[str]) -> int:
     if n < 1:
         raise ValueError(f"--tp takes a positive number of processes, got {n}")
     with tempfile.TemporaryDirectory(prefix="mlx-pte-tp-") as tmp:
-        hostfile = Path(tmp) / "hosts.json"
-        hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in _free_ports(n)]))
+        hostfile = write_local_hostfile(Path(tmp) / "hosts.json", n)
         procs = []
         for rank in range(n):
-            env = dict(os.environ, MLX_RANK=str(rank), MLX_HOSTFILE=str(hostfile), MLX_PTE_TP_RANKS=str(n))
+            env = dict(os.environ, MLX_RANK=str(rank), MLX_HOSTFILE=str(hostfile))
             procs.append(subprocess.Popen([sys.executable, "-m", "mlx_pte", *argv], env=env))
         return _supervise(procs)
 
