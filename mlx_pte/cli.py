@@ -282,7 +282,7 @@ def quiet_export_dependencies() -> None:
 
 
 def sampling_from(args: argparse.Namespace):
-    from mlx_pte.serving.sampling import SamplingParams
+    from mlx_pte.serving.sampling.params import SamplingParams
 
     return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
 
@@ -372,7 +372,7 @@ def run_prompts(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from mlx_pte.serving.engine import open_engine
-    from mlx_pte.serving.prompts_file import run_prompts_file
+    from mlx_pte.serving.openai.prompts_file import run_prompts_file
 
     engine = open_engine(args.model, args.cache or KIND_BATCHED_SEQUENCE, args.capacity, args.max_batch_tokens, args.max_seqs, args.kv_dtype,
                          args.tokenizer, args.prompt_cache_tokens)
@@ -392,9 +392,9 @@ def serve_command(parser: argparse.ArgumentParser) -> Handler:
     def run(args: argparse.Namespace) -> int:
         from pathlib import Path
 
-        from mlx_pte.serving.app import serve
+        from mlx_pte.serving.openai.app import serve
         from mlx_pte.serving.engine import open_engine
-        from mlx_pte.serving.request_body import BodyLimits
+        from mlx_pte.serving.openai.request_body import BodyLimits
 
         engine = open_engine(args.model, args.cache, args.capacity, args.max_batch_tokens, args.max_seqs,
                              args.kv_dtype, args.tokenizer, args.prompt_cache_tokens)
