@@ -396,6 +396,8 @@ def serve_command(parser: argparse.ArgumentParser) -> Handler:
         from mlx_pte.serving.engine import open_engine
         from mlx_pte.serving.openai.request_body import BodyLimits
 
+        if tensor_parallel.launched():
+            raise ValueError("serve does not run tensor-parallel yet; run it as one process")
         engine = open_engine(args.model, args.cache, args.capacity, args.max_batch_tokens, args.max_seqs,
                              args.kv_dtype, args.tokenizer, args.prompt_cache_tokens)
         serve(engine, args.model_id or Path(args.model).stem, args.host, args.port,
