@@ -106,12 +106,12 @@ class Program:
     def from_payload(cls, payload: Union[Payload, ImportedPayload], group: Any = None) -> "Program":
         """A program from a decoded (hence validated) payload, mlx-pte's or an imported
         upstream one; weights are copied into MLX. With ``group`` (an ``mx.distributed``
-        group of more than one rank) it is this rank's shard (``interpreter.collectives``)."""
+        group of more than one rank) it is this rank's shard (``interpreter.shards``)."""
         graph = payload.graph
         weights = {s: load_weight(payload.constant_bytes(s), graph.slots[s].type) for s in graph.constants()}
         manifest = payload.manifest
         if group is not None and group.size() > 1:
-            from .collectives import shard_program  # mx.distributed only for a sharded load
+            from .shards import shard_program  # mx.distributed only for a sharded load
 
             graph, weights, manifest = shard_program(graph, weights, manifest, group)
         return cls(graph, weights, manifest)

@@ -7,7 +7,7 @@
   each rank keeps its share of every part, and the split's sizes are divided by ``N``.
 - **Row-parallel** linears (o_proj, down_proj) keep rank ``r``'s ``1/N`` of their input
   features (columns; a quantized weight keeps whole groups) and are followed by an
-  ``all_sum`` (``ir.collectives``); their bias is added by rank 0 only.
+  ``all_sum`` (a catalog op); their bias is added by rank 0 only.
 - Everything else (embedding, norms, rotary tables, the LM head) is replicated, and each
   rank's cache holds its ``1/N`` of every layer's KV heads.
 
@@ -25,7 +25,6 @@ import re
 from dataclasses import dataclass, replace
 from typing import Any, Mapping, Optional
 
-from . import collectives  # noqa: F401  (defines all_sum in the catalog)
 from .catalog import validate_graph
 from .graph import UNTYPED_TENSOR, Graph, Instruction, Slot, SlotKind, TensorType
 from .quantization import QUANTIZED_OPS
@@ -37,6 +36,7 @@ _DEFAULT_PLAN = {
     "gate_proj": COLUMN, "up_proj": COLUMN, "gate_up_proj": COLUMN,
     "o_proj": ROW, "down_proj": ROW,
 }  # fmt: skip
+_FUSED = ("qkv_proj", "gate_up_proj")
 _LINEARS = ("linear", "quantized_linear")
 # Ops that move a rank-local value between the two linears without mixing heads.
 _HEAD_RESHAPES = ("view", "view_permute", "permute_view")
@@ -90,6 +90,8 @@ def linear_roles(graph: Graph, manifest: Mapping[str, Any]) -> dict[int, str]:
         ShardingError: the plan names a style other than colwise, rowwise or replicated.
     """
     plan = (manifest.get("extra") or {}).get("tp_plan") or _DEFAULT_PLAN
+    # HF's plans name the separate projections; mlx-pte's export may fuse them.
+    plan = {**plan, **{k: v for k, v in _DEFAULT_PLAN.items() if k in _FUSED}}
     rules = []
     for pattern, style in plan.items():
         if style in (COLUMN, ROW):

@@ -458,7 +458,7 @@ def _bench(args: argparse.Namespace, group) -> int:
     print(f"  prefill {prefill:.1f} tok/s | decode {decode:.2f} tok/s | "
           f"peak memory {mx.get_peak_memory() / 2**20:.1f} MiB")
     if group is not None and group.size() > 1:
-        from mlx_pte.interpreter.collectives import all_sum_bytes_per_token
+        from mlx_pte.interpreter.shards import all_sum_bytes_per_token
 
         print(f"  tensor parallel over {group.size()} ranks: each all-sums "
               f"{all_sum_bytes_per_token(program.graph):,} bytes per token")

@@ -52,9 +52,10 @@ def q8_pte(tmp_path_factory, tiny_checkpoint) -> Path:
 
 def test_two_ranks_match_one_process(tmp_path, tmp_path_factory, tiny_checkpoint, q8_pte):
     """Greedy tokens equal, logits within 1e-5, for every cache kind, capture off and on:
-    llama (fp32), gemma3 (sliding window past its window) and a q8 llama (whole groups per rank)."""
+    llama (fp32), gemma3 (sliding window past its window), a q8 llama (whole groups per
+    rank), and the fp32 ones with fused q/k/v and gate/up projections."""
     paths = [str(exported_pte(tmp_path_factory, tiny_checkpoint, f)) for f in ("llama", "gemma3")] + [str(q8_pte)]
-    ranks = _two_ranks(tmp_path, [[sys.executable, str(WORKER), *paths]] * 2, timeout=600)
+    ranks = _two_ranks(tmp_path, [[sys.executable, str(WORKER), "--fused", *paths]] * 2, timeout=600)
     for r, done in enumerate(ranks):
         assert done.returncode == 0, f"rank {r}: {done.stdout}{done.stderr[-2000:]}"
         assert f"rank {r}: 0 failures" in done.stdout

@@ -1,9 +1,5 @@
-"""The MLX side of a sharded program: the ``all_sum`` handler, the process groups it names,
-and the slicing of each rank's weights (``ir.sharding`` plans it).
-
-A group is registered once and named by a small int in the graph, since an attribute
-cannot hold a live ``mx.distributed.Group``.
-"""
+"""The MLX side of sharding a program (``ir.sharding`` plans it): each rank's slice of the
+weights, and the bytes its ``all_sum`` instructions exchange."""
 from __future__ import annotations
 
 from typing import Any, Mapping
@@ -15,25 +11,7 @@ from mlx_pte.ir.graph import Graph, TensorType
 from mlx_pte.ir.payload import ITEMSIZE
 from mlx_pte.ir.sharding import ConstantSlice, plan_shards
 
-from .handlers import HANDLERS, Args, RunContext
-
-_GROUPS: list[Any] = []
-
-
-def register_group(group: Any) -> int:
-    """The id ``all_sum`` instructions use for ``group`` (the same id for the same group)."""
-    for i, known in enumerate(_GROUPS):
-        if known is group:
-            return i
-    _GROUPS.append(group)
-    return len(_GROUPS) - 1
-
-
-def _all_sum(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx.array:
-    return mx.distributed.all_sum(args[0], group=_GROUPS[attrs["group"]])
-
-
-HANDLERS["all_sum"] = _all_sum
+from .groups import register_group
 
 
 def take_slice(array: mx.array, sl: ConstantSlice, rank: int, size: int) -> mx.array:
