@@ -388,6 +388,7 @@ def run_prompts(args: argparse.Namespace) -> int:
 @command("serve", "serve a .pte file over an OpenAI-compatible HTTP API (completions, chat, streaming)")
 def serve_command(parser: argparse.ArgumentParser) -> Handler:
     add_serve_arguments(parser)
+    tensor_parallel.add_tp_argument(parser)
 
     def run(args: argparse.Namespace) -> int:
         from pathlib import Path
@@ -396,12 +397,24 @@ def serve_command(parser: argparse.ArgumentParser) -> Handler:
         from mlx_pte.serving.engine import open_engine
         from mlx_pte.serving.openai.request_body import BodyLimits
 
-        if tensor_parallel.launched():
-            raise ValueError("serve does not run tensor-parallel yet; run it as one process")
-        engine = open_engine(args.model, args.cache, args.capacity, args.max_batch_tokens, args.max_seqs,
-                             args.kv_dtype, args.tokenizer, args.prompt_cache_tokens)
-        serve(engine, args.model_id or Path(args.model).stem, args.host, args.port,
-              BodyLimits(args.max_body_bytes, args.body_timeout), args.header_timeout, args.keep_alive)
+        if args.tp is not None and not tensor_parallel.launched():
+            return tensor_parallel.launch_local(args.tp, tensor_parallel.without_tp(args.argv))
+
+        def engine_for(group):
+            return open_engine(args.model, args.cache, args.capacity, args.max_batch_tokens, args.max_seqs,
+                               args.kv_dtype, args.tokenizer, args.prompt_cache_tokens, group=group)
+
+        def serve_engine(engine) -> None:
+            serve(engine, args.model_id or Path(args.model).stem, args.host, args.port,
+                  BodyLimits(args.max_body_bytes, args.body_timeout), args.header_timeout, args.keep_alive)
+
+        group = tensor_parallel.join_group()
+        if group is not None and group.size() > 1:
+            from mlx_pte.serving.tp_serve import serve_ranks
+
+            with tensor_parallel.lost_ranks(group):
+                return serve_ranks(group, engine_for, serve_engine)
+        serve_engine(engine_for(None))
         return 0
 
     return run

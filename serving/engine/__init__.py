@@ -50,7 +50,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING, Callable, Iterator, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence, Union
 
 from mlx_pte.runtime.cache import KIND_BATCHED_SEQUENCE, Step, Verdict
 
@@ -1196,13 +1196,14 @@ def _seeded(params: SamplingParams, index: int) -> SamplingParams:
 
 def open_engine(model: str, kind: str, capacity: Optional[int] = None, max_batch_tokens: Optional[int] = None,
                 max_seqs: Optional[int] = None, kv_dtype: Optional[str] = None,
-                tokenizer: Optional[str] = None, prompt_cache_tokens: Optional[int] = None) -> Engine:
-    """An engine over the program in the .pte file ``model`` (tokenizer: see ``load``);
+                tokenizer: Optional[str] = None, prompt_cache_tokens: Optional[int] = None,
+                group: Any = None) -> Engine:
+    """An engine over the program in the .pte file ``model`` (tokenizer, group: see ``load``);
     capacity defaults to room for a few full-context requests at once, the prompt store
     to the whole capacity (retained prompts only use room no request has reserved)."""
     from mlx_pte.interpreter.program import load
 
-    program = load(model, tokenizer=tokenizer)
+    program = load(model, tokenizer=tokenizer, group=group)
     if capacity is None:
         capacity = DEFAULT_CAPACITY_CONTEXTS * int(program.manifest["max_context"])
     return Engine(program, kind, capacity=capacity, max_batch_tokens=max_batch_tokens, max_seqs=max_seqs,
