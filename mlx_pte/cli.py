@@ -326,8 +326,6 @@ def run_command(parser: argparse.ArgumentParser) -> Handler:
         if args.tp is not None and not tensor_parallel.launched():
             return tensor_parallel.launch_local(args.tp, tensor_parallel.without_tp(args.argv))
         if args.prompts:
-            if tensor_parallel.launched():
-                raise ValueError("--prompts does not run tensor-parallel yet; use --prompt")
             return run_prompts(args)
         from mlx_pte.interpreter.program import load
 
@@ -374,11 +372,22 @@ def run_prompts(args: argparse.Namespace) -> int:
     from mlx_pte.serving.engine import open_engine
     from mlx_pte.serving.openai.prompts_file import run_prompts_file
 
-    engine = open_engine(args.model, args.cache or KIND_BATCHED_SEQUENCE, args.capacity, args.max_batch_tokens, args.max_seqs, args.kv_dtype,
-                         args.tokenizer, args.prompt_cache_tokens)
-    defaults = {"max_tokens": args.max_new_tokens, "temperature": args.temperature, "top_k": args.top_k,
-                "top_p": args.top_p, "seed": args.seed}
-    run_prompts_file(engine, Path(args.prompts), {k: v for k, v in defaults.items() if v is not None})
+    def engine_for(group):
+        return open_engine(args.model, args.cache or KIND_BATCHED_SEQUENCE, args.capacity, args.max_batch_tokens,
+                           args.max_seqs, args.kv_dtype, args.tokenizer, args.prompt_cache_tokens, group=group)
+
+    def run_file(engine) -> None:
+        defaults = {"max_tokens": args.max_new_tokens, "temperature": args.temperature, "top_k": args.top_k,
+                    "top_p": args.top_p, "seed": args.seed}
+        run_prompts_file(engine, Path(args.prompts), {k: v for k, v in defaults.items() if v is not None})
+
+    group = tensor_parallel.join_group()
+    if group is not None and group.size() > 1:
+        from mlx_pte.serving.tp_serve import serve_ranks
+
+        with tensor_parallel.lost_ranks(group):
+            return serve_ranks(group, engine_for, run_file)
+    run_file(engine_for(None))
     return 0
 
 

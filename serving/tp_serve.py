@@ -185,7 +185,8 @@ def follow(session: Any, group: Any, host: Optional[str] = None) -> int:
 
 
 def serve_ranks(group: Any, open_engine: Callable[..., Any], serve: Callable[[Any], None]) -> int:
-    """Run ``serve(engine)`` on rank 0 with every other rank following it."""
+    """Run ``serve(engine)`` on rank 0 (the HTTP server, or ``run --prompts``' file) with
+    every other rank following it; ``open_engine(group)`` builds each rank's engine."""
     engine = open_engine(group)
     if group.rank() != 0:
         return follow(engine.session, group)
