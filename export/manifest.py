@@ -84,6 +84,8 @@ def build_manifest(
         eos_token_ids=_sampled_ids(_ids(tokenizer.eos_token_id, checkpoint.generation_eos), vocab_size),
         pad_token_id=_pad_id(_first_int(tokenizer.pad_token_id, getattr(text, "pad_token_id", None))),
         quantization=quantization,
+        # Which linears tensor parallelism splits by columns and by rows (ir.sharding).
+        extra={"tp_plan": dict(tp_plan)} if (tp_plan := getattr(text, "base_model_tp_plan", None)) else {},
     )
     try:
         return checked_manifest(manifest.to_dict())
