@@ -95,6 +95,18 @@ def test_run_with_tp_prints_the_single_process_text(tmp_path_factory, tiny_check
     assert two.stdout == one.stdout and one.stdout.startswith("def f(x):")
 
 
+def test_bench_with_tp_reports_the_bytes_each_rank_sums(tmp_path_factory, tiny_checkpoint):
+    path = exported_pte(tmp_path_factory, tiny_checkpoint, "llama")
+    config = load(path).manifest["config"]
+    # Two fp32 hidden vectors per layer (after o_proj and down_proj), and one int32 token id.
+    want = 2 * config["num_hidden_layers"] * config["hidden_size"] * 4 + 4
+    done = subprocess.run(_cli("bench", str(path), "--prompt-tokens", "8", "--generate", "4", "--repeats", "1",
+                               "--tp", "2"), env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True,
+                          text=True, timeout=2 * START_S)
+    assert done.returncode == 0, done.stderr
+    assert f"each all-sums {want:,} bytes per token" in done.stdout
+
+
 def test_run_prompts_with_tp_prints_the_single_process_replies(tmp_path, tmp_path_factory, tiny_checkpoint):
     """``--prompts`` runs the batching engine: rank 0 leads, rank 1 replays its steps."""
     path = str(exported_pte(tmp_path_factory, tiny_checkpoint, "llama"))
