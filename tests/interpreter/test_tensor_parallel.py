@@ -16,7 +16,8 @@ import pytest
 from mlx_pte.export.hf_export import export_hf
 from mlx_pte.interpreter.program import load
 from mlx_pte.ir.quantization import QuantSpec
-from mlx_pte.ir.sharding import ShardingError
+from mlx_pte.ir.pte import read_pte
+from mlx_pte.ir.sharding import ShardingError, linear_roles
 from mlx_pte.serving.tensor_parallel import STOP_BOUND_S, write_local_hostfile
 from tests.fixtures.exported import MAX_STEP, exported_pte
 
@@ -79,6 +80,24 @@ def test_ranks_that_do_not_divide_the_kv_heads_are_refused(tmp_path_factory, tin
     path = exported_pte(tmp_path_factory, tiny_checkpoint, "llama")
     with pytest.raises(ShardingError, match="4 ranks do not divide the 2 KV heads of cache layer 0"):
         load(path, group=_FakeGroup(0, 4))
+
+
+def test_a_file_without_a_plan_splits_by_hf_module_names(tmp_path_factory, tiny_checkpoint):
+    payload = read_pte(exported_pte(tmp_path_factory, tiny_checkpoint, "qwen3"))
+    recorded = linear_roles(payload.graph, payload.manifest)
+    older = linear_roles(payload.graph, {**payload.manifest, "extra": {}})
+    assert older == recorded
+    names = {payload.graph.slots[payload.graph.instructions[i].inputs[1]].name.split(".")[-2]: style
+             for i, style in recorded.items()}
+    assert names == {"q_proj": "colwise", "k_proj": "colwise", "v_proj": "colwise", "o_proj": "rowwise",
+                     "gate_proj": "colwise", "up_proj": "colwise", "down_proj": "rowwise"}
+
+
+def test_a_plan_splitting_a_linear_another_way_is_refused(tmp_path_factory, tiny_checkpoint):
+    payload = read_pte(exported_pte(tmp_path_factory, tiny_checkpoint, "llama"))
+    plan = {**payload.manifest["extra"]["tp_plan"], "layers.*.self_attn.q_proj": "local_colwise"}
+    with pytest.raises(ShardingError, match="splits 'layers.\\*.self_attn.q_proj' as 'local_colwise'"):
+        linear_roles(payload.graph, {**payload.manifest, "extra": {"tp_plan": plan}})
 
 
 def _cli(*args: str) -> list[str]:
