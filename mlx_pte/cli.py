@@ -36,6 +36,7 @@ from .arguments import (
     add_cache_arguments,
     add_sampling_arguments,
     add_serve_arguments,
+    add_template_budget_argument,
     add_tokenizer_argument,
     positive_int,
 )
@@ -315,6 +316,7 @@ def run_command(parser: argparse.ArgumentParser) -> Handler:
     add_cache_arguments(parser, KINDS, None, "single for --prompt, batched-sequence for --prompts",
                         f"the model's max context with --prompt, {DEFAULT_CAPACITY_CONTEXTS} x it with --prompts")
     add_tokenizer_argument(parser)
+    add_template_budget_argument(parser)
     add_batching_arguments(parser)
     add_sampling_arguments(parser)
     tensor_parallel.add_tp_argument(parser)
@@ -348,7 +350,8 @@ def _run_prompt(args: argparse.Namespace, program) -> int:
                       kv_dtype=args.kv_dtype, max_seqs=args.max_seqs)
     prompt = args.prompt
     if args.chat:
-        prompt = TextCodec(session.manifest).render_chat([{"role": "user", "content": prompt}])
+        codec = TextCodec(session.manifest, template_budget=args.template_budget)
+        prompt = codec.render_chat([{"role": "user", "content": prompt}])
     echo = [args.prompt if not args.chat else ""]
 
     def show(piece: str) -> None:
@@ -376,6 +379,8 @@ def run_prompts(args: argparse.Namespace) -> int:
 
     engine = open_engine(args.model, args.cache or KIND_BATCHED_SEQUENCE, args.capacity, args.max_batch_tokens, args.max_seqs, args.kv_dtype,
                          args.tokenizer, args.prompt_cache_tokens)
+    if engine.codec is not None:
+        engine.codec.template_budget = args.template_budget
     defaults = {"max_tokens": args.max_new_tokens, "temperature": args.temperature, "top_k": args.top_k,
                 "top_p": args.top_p, "seed": args.seed}
     run_prompts_file(engine, Path(args.prompts), {k: v for k, v in defaults.items() if v is not None})
@@ -401,7 +406,8 @@ def serve_command(parser: argparse.ArgumentParser) -> Handler:
         engine = open_engine(args.model, args.cache, args.capacity, args.max_batch_tokens, args.max_seqs,
                              args.kv_dtype, args.tokenizer, args.prompt_cache_tokens)
         serve(engine, args.model_id or Path(args.model).stem, args.host, args.port,
-              BodyLimits(args.max_body_bytes, args.body_timeout), args.header_timeout, args.keep_alive)
+              BodyLimits(args.max_body_bytes, args.body_timeout), args.header_timeout, args.keep_alive,
+              args.template_budget)
         return 0
 
     return run
