@@ -17,10 +17,10 @@ import logging
 import time
 from typing import AsyncIterator
 
-from .engine import Engine, EngineError, Event
+from ..engine import Engine, EngineError, Event
 from .metrics import ServerMetrics
-from .openai_request import ApiError, ApiRequest, parse_request
-from .openai_response import Reply, sse
+from .request import ApiError, ApiRequest, parse_request
+from .response import Reply, sse
 from .request_body import BodyError, BodyLimits, ClientGone, parse_json, read_body
 from .tokenize_api import detokenize, tokenize
 

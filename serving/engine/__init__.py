@@ -54,21 +54,21 @@ from typing import TYPE_CHECKING, Callable, Iterator, Optional, Sequence, Union
 
 from mlx_pte.runtime.cache import KIND_BATCHED_SEQUENCE, Step, Verdict
 
-from .output_options import MAX_TOP_LOGPROBS
-from .sampling import SamplingParams
-from .stops import StopStringError, StopStrings, StopText
+from ..openai.output_options import MAX_TOP_LOGPROBS
+from ..sampling.params import SamplingParams
+from ..text.stops import StopStringError, StopStrings, StopText
 from mlx_pte.interpreter.text import TextCodec
 
-from .detokenizer import IncrementalDecoder
+from ..text.detokenizer import IncrementalDecoder
 from .prompt_store import PromptStore, Retained
 
 if TYPE_CHECKING:
     import mlx.core as mx
 
-    from .grammar import Grammar, Matcher
-    from .logprobs import TokenLogprob
+    from ..sampling.grammar import Grammar, Matcher
+    from ..sampling.logprobs import TokenLogprob
 
-    from .device_sampling import TokenStream
+    from ..sampling.device import TokenStream
 
 # open_engine's default capacity, in full contexts: room for a few long requests at once.
 DEFAULT_CAPACITY_CONTEXTS = 4
@@ -504,7 +504,7 @@ class Engine:
             raise EngineError(f"prompt_cache_tokens must be an integer >= 0, got {prompt_cache_tokens!r}")
         # Imported here so that building requests (and the server's parsing and command
         # line) does not load MLX.
-        from . import device_sampling
+        from ..sampling import device as device_sampling
         from mlx_pte.interpreter.session import Session
 
         self._sampling = device_sampling
@@ -576,7 +576,7 @@ class Engine:
         Raises:
             EngineError: the program has no tokenizer, or the grammar engine cannot read it.
         """
-        from .grammar import GrammarError, TokenVocabulary
+        from ..sampling.grammar import GrammarError, TokenVocabulary
 
         if not self._manifest.tokenizer:
             raise EngineError("structured output and logprobs need the program's tokenizer, and it embeds none")
@@ -654,7 +654,7 @@ class Engine:
         ]
 
     def _matcher(self, grammar: "Grammar") -> "Matcher":
-        from .grammar import GrammarError
+        from ..sampling.grammar import GrammarError
 
         try:
             return self.vocabulary().matcher(grammar)
@@ -916,12 +916,12 @@ class Engine:
     def _draw(self, queued: _Queued) -> tuple["mx.array", Optional[tuple]]:
         """Token ids drawn from the step's rows, masked by each sample's grammar, and,
         when some draw wants them, the log-probabilities of those same rows (lazy)."""
-        from .logprobs import logprob_arrays
+        from ..sampling.logprobs import logprob_arrays
 
         samples = [sample for _, sample, _ in queued.draws]
         rows = self._sampling.take_rows(queued.logits, queued.rows)
         if queued.constrained:
-            from .token_masks import apply_masks
+            from ..sampling.token_masks import apply_masks
 
             rows = apply_masks(rows, self._masks(queued.draws))
         ids = self._sampling.draw(rows, [s.stream for s in samples])
@@ -931,7 +931,7 @@ class Engine:
     def _masks(self, draws: list[tuple[_Job, _Sample, bool]]):
         """Each draw's allowed-token bitmask; a sample whose grammar fails here fails alone
         (its row is left unmasked, and its token unread)."""
-        from .grammar import masks
+        from ..sampling.grammar import masks
 
         def failed(row: int, exc: Exception) -> None:
             self._fail(draws[row][0], f"the request's grammar failed: {exc}")
@@ -1060,7 +1060,7 @@ class Engine:
         """Each draw's log-probability record (None where the request asked for none)."""
         records: list[Optional["TokenLogprob"]] = [None] * len(ids)
         if flight.logprobs:
-            from .logprobs import read
+            from ..sampling.logprobs import read
 
             for first, arrays, wants in flight.logprobs:
                 chunk = read(ids[first : first + len(wants)], arrays, [w or 0 for w in wants])
