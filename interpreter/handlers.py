@@ -20,6 +20,8 @@ import mlx.core as mx
 
 from mlx_pte.ir.catalog import CATALOG
 
+from .groups import all_sum
+
 MX_DTYPES: dict[str, mx.Dtype] = {
     "float32": mx.float32,
     "float16": mx.float16,
@@ -580,6 +582,9 @@ def _scatter_add(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx.array
               for axis, n in enumerate(index.shape)]  # fmt: skip
     coords[dim] = index
     return x.at[tuple(coords)].add(updates)
+
+
+HANDLERS["all_sum"] = all_sum  # interpreter.groups: the process group it names
 
 
 # One catalog: an op without a handler (or a handler without an op) is a bug here.

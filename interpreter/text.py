@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import re
 from functools import lru_cache
-from typing import Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 from tokenizers import Tokenizer
 
@@ -13,7 +13,7 @@ from mlx_pte.ir.manifest import Manifest
 
 from .chat_template import ChatTemplate, ChatTemplateError
 
-__all__ = ["ChatTemplateError", "TextCodec", "TokenizerError", "TokenizerMissing", "check_manifest_text"]
+__all__ = ["ChatTemplateError", "TextCodec", "TokenizerError", "TokenizerMissing", "checked_manifest"]
 
 
 class TokenizerMissing(ValueError):
@@ -109,13 +109,18 @@ def build_tokenizer(tokenizer_json: str) -> Tokenizer:
         raise TokenizerError(f"the manifest's tokenizer does not build: {first_line}") from None
 
 
-def check_manifest_text(manifest: Manifest) -> None:
-    """Build the manifest's tokenizer and compile its chat template now (both are cached for the
-    codecs made later), so a broken one is refused at load rather than at the first request.
+def checked_manifest(fields: Mapping[str, Any]) -> Manifest:
+    """The manifest of ``fields`` as the loader accepts it: every field's type and range
+    (``Manifest.from_dict``), a tokenizer that builds and a chat template that compiles (both
+    are cached for the codecs made later, and a broken one is refused at load rather than at
+    the first request).
+
+    The exporter calls this on a manifest before it writes a file, so a file it writes loads.
 
     Raises:
         FormatError: naming the field and what is wrong with it.
     """
+    manifest = Manifest.from_dict(fields)
     try:
         if manifest.tokenizer:
             build_tokenizer(manifest.tokenizer)
@@ -123,6 +128,7 @@ def check_manifest_text(manifest: Manifest) -> None:
             ChatTemplate(manifest.chat_template)
     except (TokenizerError, ChatTemplateError) as exc:
         raise FormatError(str(exc)) from None
+    return manifest
 
 
 def _byte_fallback_tokens(tokenizer: Tokenizer) -> frozenset[int]:
