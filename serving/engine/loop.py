@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from mlx_pte.interpreter.text import TextCodec
 from mlx_pte.runtime.cache import KIND_BATCHED_SEQUENCE
@@ -387,13 +387,14 @@ def _seeded(params: SamplingParams, index: int) -> SamplingParams:
 
 def open_engine(model: str, kind: str, capacity: Optional[int] = None, max_batch_tokens: Optional[int] = None,
                 max_seqs: Optional[int] = None, kv_dtype: Optional[str] = None,
-                tokenizer: Optional[str] = None, prompt_cache_tokens: Optional[int] = None) -> Engine:
-    """An engine over the program in the .pte file ``model`` (tokenizer: see ``load``);
+                tokenizer: Optional[str] = None, prompt_cache_tokens: Optional[int] = None,
+                group: Any = None) -> Engine:
+    """An engine over the program in the .pte file ``model`` (tokenizer, group: see ``load``);
     capacity defaults to room for a few full-context requests at once, the prompt store
     to the whole capacity (retained prompts only use room no request has reserved)."""
     from mlx_pte.interpreter.program import load
 
-    program = load(model, tokenizer=tokenizer)
+    program = load(model, tokenizer=tokenizer, group=group)
     if capacity is None:
         capacity = DEFAULT_CAPACITY_CONTEXTS * int(program.manifest["max_context"])
     return Engine(program, kind, capacity=capacity, max_batch_tokens=max_batch_tokens, max_seqs=max_seqs,
