@@ -36,6 +36,7 @@ from .arguments import (
     add_cache_arguments,
     add_sampling_arguments,
     add_serve_arguments,
+    add_template_budget_argument,
     add_tokenizer_argument,
     positive_int,
 )
@@ -315,6 +316,7 @@ def run_command(parser: argparse.ArgumentParser) -> Handler:
     add_cache_arguments(parser, KINDS, None, "single for --prompt, batched-sequence for --prompts",
                         f"the model's max context with --prompt, {DEFAULT_CAPACITY_CONTEXTS} x it with --prompts")
     add_tokenizer_argument(parser)
+    add_template_budget_argument(parser)
     add_batching_arguments(parser)
     add_sampling_arguments(parser)
     tensor_parallel.add_tp_argument(parser)
@@ -346,7 +348,8 @@ def _run_prompt(args: argparse.Namespace, program) -> int:
                       kv_dtype=args.kv_dtype, max_seqs=args.max_seqs)
     prompt = args.prompt
     if args.chat:
-        prompt = TextCodec(session.manifest).render_chat([{"role": "user", "content": prompt}])
+        codec = TextCodec(session.manifest, template_budget=args.template_budget)
+        prompt = codec.render_chat([{"role": "user", "content": prompt}])
     echo = [args.prompt if not args.chat else ""]
 
     def show(piece: str) -> None:
@@ -373,8 +376,11 @@ def run_prompts(args: argparse.Namespace) -> int:
     from mlx_pte.serving.openai.prompts_file import run_prompts_file
 
     def engine_for(group):
-        return open_engine(args.model, args.cache or KIND_BATCHED_SEQUENCE, args.capacity, args.max_batch_tokens,
-                           args.max_seqs, args.kv_dtype, args.tokenizer, args.prompt_cache_tokens, group=group)
+        engine = open_engine(args.model, args.cache or KIND_BATCHED_SEQUENCE, args.capacity, args.max_batch_tokens,
+                             args.max_seqs, args.kv_dtype, args.tokenizer, args.prompt_cache_tokens, group=group)
+        if engine.codec is not None:
+            engine.codec.template_budget = args.template_budget
+        return engine
 
     def run_file(engine) -> None:
         defaults = {"max_tokens": args.max_new_tokens, "temperature": args.temperature, "top_k": args.top_k,
@@ -415,7 +421,8 @@ def serve_command(parser: argparse.ArgumentParser) -> Handler:
 
         def serve_engine(engine) -> None:
             serve(engine, args.model_id or Path(args.model).stem, args.host, args.port,
-                  BodyLimits(args.max_body_bytes, args.body_timeout), args.header_timeout, args.keep_alive)
+                  BodyLimits(args.max_body_bytes, args.body_timeout), args.header_timeout, args.keep_alive,
+                  args.template_budget)
 
         group = tensor_parallel.join_group()
         if group is not None and group.size() > 1:
