@@ -44,19 +44,24 @@ def _two_ranks(tmp_path: Path, commands: list[list[str]], timeout: float) -> lis
 
 
 @pytest.fixture(scope="module")
-def q8_pte(tmp_path_factory, tiny_checkpoint) -> Path:
-    path = tmp_path_factory.mktemp("tp") / "llama_q8.pte"
-    export_hf(tiny_checkpoint("llama"), path, max_step=MAX_STEP, progress=False,
+def variants(tmp_path_factory, tiny_checkpoint) -> list[Path]:
+    """A q8 llama (fused projections, as exports are by default) and one with separate ones."""
+    root = tmp_path_factory.mktemp("tp")
+    export_hf(tiny_checkpoint("llama"), root / "q8.pte", max_step=MAX_STEP, progress=False,
               quantize=QuantSpec.from_preset("q8", group_size=32))
-    return path
+    export_hf(tiny_checkpoint("llama"), root / "separate.pte", max_step=MAX_STEP, progress=False,
+              fused_projections=False)
+    return [root / "q8.pte", root / "separate.pte"]
 
 
-def test_two_ranks_match_one_process(tmp_path, tmp_path_factory, tiny_checkpoint, q8_pte):
+def test_two_ranks_match_one_process(tmp_path, tmp_path_factory, tiny_checkpoint, variants):
     """Greedy tokens equal, logits within 1e-5, for every cache kind, capture off and on:
-    llama (fp32), gemma3 (sliding window past its window), a q8 llama (whole groups per
-    rank), and the fp32 ones with fused q/k/v and gate/up projections."""
-    paths = [str(exported_pte(tmp_path_factory, tiny_checkpoint, f)) for f in ("llama", "gemma3")] + [str(q8_pte)]
-    ranks = _two_ranks(tmp_path, [[sys.executable, str(WORKER), "--fused", *paths]] * 2, timeout=600)
+    llama (fp32), gemma3 (sliding window, run past it), a q8 llama (whole groups per rank)
+    with fused q/k/v and gate/up projections (each part split, padding included), and a
+    llama with separate projections."""
+    paths = [str(exported_pte(tmp_path_factory, tiny_checkpoint, f)) for f in ("llama", "gemma3")]
+    paths += [str(p) for p in variants]
+    ranks = _two_ranks(tmp_path, [[sys.executable, str(WORKER), *paths]] * 2, timeout=600)
     for r, done in enumerate(ranks):
         assert done.returncode == 0, f"rank {r}: {done.stdout}{done.stderr[-2000:]}"
         assert f"rank {r}: 0 failures" in done.stdout
@@ -89,12 +94,12 @@ def test_a_file_without_a_plan_splits_by_hf_module_names(tmp_path_factory, tiny_
     assert older == recorded
     names = {payload.graph.slots[payload.graph.instructions[i].inputs[1]].name.split(".")[-2]: style
              for i, style in recorded.items()}
-    assert names == {"q_proj": "colwise", "k_proj": "colwise", "v_proj": "colwise", "o_proj": "rowwise",
-                     "gate_proj": "colwise", "up_proj": "colwise", "down_proj": "rowwise"}
+    # Exports fuse q/k/v and gate/up (ir/fuse_projections.py); HF's plan names them apart.
+    assert names == {"qkv_proj": "colwise", "o_proj": "rowwise", "gate_up_proj": "colwise", "down_proj": "rowwise"}
 
 
-def test_a_plan_splitting_a_linear_another_way_is_refused(tmp_path_factory, tiny_checkpoint):
-    payload = read_pte(exported_pte(tmp_path_factory, tiny_checkpoint, "llama"))
+def test_a_plan_splitting_a_linear_another_way_is_refused(variants):
+    payload = read_pte(variants[1])  # separate projections: q_proj is a linear of its own
     plan = {**payload.manifest["extra"]["tp_plan"], "layers.*.self_attn.q_proj": "local_colwise"}
     with pytest.raises(ShardingError, match="splits 'layers.\\*.self_attn.q_proj' as 'local_colwise'"):
         linear_roles(payload.graph, {**payload.manifest, "extra": {"tp_plan": plan}})
