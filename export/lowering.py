@@ -22,7 +22,7 @@ from .graph_builder import (
     DTYPE_NAMES,
     Builder,
     DimRange,
-    ep_constant,
+    constant_source,
     is_tensor,
     range_bounds,
     target_key,
@@ -145,4 +145,6 @@ def _lower_placeholder(b: Builder, node: Node, spec: Any) -> None:
         raise ExportError(f"input {node.name!r} of kind {spec.kind.name} cannot be lowered")
     if not node.users:
         return
-    b.slots[node] = b.add_constant(spec.target, ep_constant(b.ep, node))
+    source = constant_source(b.ep, node)
+    assert source is not None  # a constant kind, checked above
+    b.slots[node] = b.add_source(spec.target, source)

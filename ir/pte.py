@@ -138,7 +138,7 @@ def decode_program(pte: Union[bytes, memoryview]) -> Union[Payload, ImportedPayl
     contents = read_program(pte)
     if bytes(contents.payload[4:8]) == UPSTREAM_MAGIC:
         return import_program(contents.payload, contents.named_data, contents.constant_methods)
-    return decode_payload(contents.payload)
+    return decode_payload(contents.payload, contents.named_data)
 
 
 def _layout(view: memoryview) -> _Layout:
