@@ -4,6 +4,8 @@ program's named data (``weight_writer``).
 
 Two compile specs (JSON) reach ``preprocess``: the manifest to store, and the program's
 ``Signature`` (input/output order and dynamic ranges, which the delegated program lacks).
+The manifest also carries the lowering's options: ``quantization``, and
+``extra["projections"] = "separate"`` when projections are not fused (``SEPARATE``).
 """
 from __future__ import annotations
 
@@ -28,6 +30,8 @@ from .weight_writer import active_sink, write_weights
 
 MANIFEST_SPEC = "manifest"
 SIGNATURE_SPEC = "signature"
+# The manifest's extra["projections"] of an export whose linears are not fused.
+SEPARATE = "separate"
 
 
 def compile_specs(manifest: Mapping[str, Any], signature: Signature) -> list[CompileSpec]:
@@ -72,6 +76,7 @@ class MLXPteBackend(BackendDetails):
             edge_program,
             Signature.from_json(_spec(compile_specs, SIGNATURE_SPEC)),
             None if quantization is None else QuantSpec.from_dict(quantization),
+            fused_projections=manifest.get("extra", {}).get("projections") != SEPARATE,
         )
         sink = active_sink()
         placed, size, weights = write_weights(graph, constants, sink)

@@ -24,6 +24,7 @@ from transformers import (
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from .hf_errors import CheckpointError, ExportOptionError
+from .hf_experts import route_experts
 from .safetensors_file import CheckpointTensor, SafetensorsFiles
 from .tensor_source import DTYPE_NAMES
 
@@ -145,6 +146,12 @@ def load_checkpoint(model_dir: Path | str) -> HFCheckpoint:
     )
 
 
+class StoredLayoutDiffers(CheckpointError):
+    """The checkpoint's tensors are not the model's parameters one to one (transformers
+    renames or merges them on load, as it merges per-expert MoE weights): the skeleton
+    cannot name a tensor for each placeholder, and the model is loaded whole instead."""
+
+
 # The attribute of a skeleton's placeholder tensor naming where its value comes from.
 _SOURCE_ATTR = "_mlx_pte_source"
 
@@ -162,6 +169,7 @@ def load_skeleton(checkpoint: HFCheckpoint, dtype: str, attn_implementation: str
 
     Raises:
         ExportOptionError: an unknown dtype.
+        StoredLayoutDiffers: the checkpoint stores the weights under other names.
         CheckpointError: a weight the model needs is missing from the checkpoint or has
             another shape there.
     """
@@ -175,6 +183,7 @@ def load_skeleton(checkpoint: HFCheckpoint, dtype: str, attn_implementation: str
     except (ValueError, KeyError, RuntimeError) as exc:
         raise CheckpointError(f"the model in {checkpoint.path} does not build: {_one_line(exc)}") from None
     _compute_non_persistent_buffers(model)
+    route_experts(model)
     files = SafetensorsFiles(checkpoint.path)
     placeholders: dict[int, torch.Tensor] = {}
     persistent = [n for n, _ in model.named_buffers() if n not in dict(model.named_non_persistent_buffers())]
@@ -206,6 +215,10 @@ def _checkpoint_tensor(model: torch.nn.Module, files: SafetensorsFiles, meta: to
     """Where the value of ``name`` (or of any name tied to it) is stored."""
     aliases = [n for n, p in [*model.named_parameters(remove_duplicate=False), *model.named_buffers()] if p is meta]
     key = next((n for n in aliases if n in files), None)
+    if key is None and set(files.names()) - {n for n, _ in model.state_dict(keep_vars=True).items()}:
+        raise StoredLayoutDiffers(
+            f"the checkpoint stores {name!r} under other names (transformers converts them on load)"
+        )
     if key is None:
         raise CheckpointError(
             f"the checkpoint has no tensor {name!r} (nor {', '.join(repr(a) for a in aliases if a != name) or 'an alias'}); "
@@ -263,8 +276,10 @@ def load_model(checkpoint: HFCheckpoint, dtype: str, attn_implementation: str) -
             attn_implementation=attn_implementation,
             local_files_only=True,
         )
-    except (ValueError, KeyError, OSError, RuntimeError, SafetensorError) as exc:
+    # torch asserts its own preconditions, such as a config pad_token_id inside the embedding.
+    except (ValueError, KeyError, OSError, RuntimeError, SafetensorError, AssertionError) as exc:
         raise CheckpointError(
             f"the weights in {checkpoint.path} do not load: {_one_line(exc)}"
         ) from None
+    route_experts(model)
     return model.eval()

@@ -16,7 +16,7 @@ from tqdm import tqdm
 from mlx_pte.ir.quantization import QuantSpec
 
 from .hf_attention import ATTN_IMPLEMENTATION
-from .hf_checkpoint import load_checkpoint, load_skeleton, weight_sources
+from .hf_checkpoint import StoredLayoutDiffers, load_checkpoint, load_model, load_skeleton, weight_sources
 from .hf_errors import ExportOptionError
 from .hf_geometry import cache_layout
 from .hf_wrapper import HFWrapper, check_max_step, trace
@@ -32,6 +32,7 @@ def export_hf(
     max_step: int = 256,
     progress: bool = True,
     quantize: Optional[QuantSpec] = None,
+    fused_projections: bool = True,
 ) -> Path:
     """Export the causal LM in ``model_dir`` to ``out`` (never downloads).
 
@@ -45,6 +46,8 @@ def export_hf(
         quantize: quantize linear and embedding weights (from the ``dtype`` weights) to
             this type; a weight whose shape does not divide into groups stays in ``dtype``
             (``ir.quantization.full_precision_weights`` lists them).
+        fused_projections: q/k/v as one matmul and gate/up as one (``ir.fuse_projections``);
+            False keeps a matmul per projection.
 
     Returns:
         The written path.
@@ -66,7 +69,11 @@ def export_hf(
             raise ExportOptionError(
                 f"max_step={max_step} exceeds the model's context of {manifest.max_context} tokens"
             )
-        wrapper = HFWrapper(load_skeleton(checkpoint, dtype, ATTN_IMPLEMENTATION), layout)
+        try:
+            wrapper = HFWrapper(load_skeleton(checkpoint, dtype, ATTN_IMPLEMENTATION), layout)
+        except StoredLayoutDiffers:
+            # Weights transformers converts on load (per-expert MoE tensors) are loaded whole.
+            wrapper = HFWrapper(load_model(checkpoint, dtype, ATTN_IMPLEMENTATION), layout)
         bar.set_postfix_str("trace")
         program = trace(wrapper, max_step)
         bar.set_postfix_str("lower")
@@ -76,6 +83,7 @@ def export_hf(
             bar.set_postfix_str(name)
             bar.update()
 
-        path = export_program(program, out, manifest=manifest.to_dict(), sources=weight_sources(wrapper), progress=written)
+        path = export_program(program, out, manifest=manifest.to_dict(), sources=weight_sources(wrapper), progress=written,
+                              fused_projections=fused_projections)
         bar.set_postfix_str("done")
     return Path(path)

@@ -14,7 +14,7 @@ from torch.export import ExportedProgram
 
 from mlx_pte.ir.quantization import QuantSpec
 
-from .backend import drop_preprocess_specs
+from .backend import SEPARATE, drop_preprocess_specs
 from .errors import OutputPathError
 from .lowering import dim_ranges
 from .partitioner import MLXPtePartitioner
@@ -31,6 +31,7 @@ def export_program(
     quantization: Optional[QuantSpec] = None,
     sources: Optional[Mapping[str, TensorSource]] = None,
     progress: Optional[Progress] = None,
+    fused_projections: bool = True,
 ) -> Path:
     """Lower ``ep`` to the MLX backend and write the ``.pte`` to ``out``.
 
@@ -45,6 +46,9 @@ def export_program(
             (see ``ir.manifest.Manifest``); ``{}`` when omitted.
         quantization: quantize linear and embedding weights to this type (see
             ``export.quantize``; recorded as the manifest's ``quantization``).
+        fused_projections: one matmul for the linears that read one input (q/k/v,
+            gate/up; ``ir.fuse_projections``); False keeps one each (recorded as the
+            manifest's ``extra["projections"] = "separate"``).
         sources: where the values of ``ep``'s placeholder weights come from, by
             state-dict name (a program traced from ``hf_checkpoint.load_skeleton``).
         progress: called after each constant is written (name, index, count).
@@ -58,6 +62,8 @@ def export_program(
     manifest = dict(manifest or {})
     if quantization is not None:
         manifest["quantization"] = quantization.to_dict()
+    if not fused_projections:
+        manifest["extra"] = {**manifest.get("extra", {}), "projections": SEPARATE}
     out = Path(out)
     check_writable(out)
     sink = WeightSink(out, dict(sources or {}), progress)
@@ -88,6 +94,7 @@ def export_module(
     dynamic_shapes: Optional[Any] = None,
     manifest: Optional[Mapping[str, Any]] = None,
     quantization: Optional[QuantSpec] = None,
+    fused_projections: bool = True,
 ) -> Path:
     """``torch.export`` ``module`` (non-strict) on ``example_inputs``, then ``export_program``.
 
@@ -96,13 +103,13 @@ def export_module(
         example_inputs: positional inputs for tracing.
         out: the ``.pte`` path to write.
         dynamic_shapes: as ``torch.export.export`` takes them.
-        manifest, quantization: see ``export_program``.
+        manifest, quantization, fused_projections: see ``export_program``.
 
     Returns:
         The path written.
     """
     ep = torch.export.export(module, tuple(example_inputs), dynamic_shapes=dynamic_shapes, strict=False)
-    return export_program(ep, out, manifest, quantization)
+    return export_program(ep, out, manifest, quantization, fused_projections)
 
 
 # The temp files of an export in progress (the .pte and its weights): beside the output,

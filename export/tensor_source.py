@@ -56,7 +56,9 @@ class _FromTensor:
 
 
 def nbytes(source: TensorSource) -> int:
-    return ITEMSIZE[source.dtype] * math.prod(source.shape)
+    """The bytes ``source`` stores (a fused constant knows them; others from shape and dtype)."""
+    known = getattr(source, "nbytes", None)
+    return known if isinstance(known, int) else ITEMSIZE[source.dtype] * math.prod(source.shape)
 
 
 def to_bytes(t: torch.Tensor) -> np.ndarray:
@@ -164,3 +166,37 @@ class PartSource:
 
     def data(self) -> np.ndarray:
         return np.ascontiguousarray(self.result.take(self.index)).reshape(-1).view(np.uint8)
+
+
+@dataclass(frozen=True)
+class RowsSource:
+    """Row blocks (``ir.fuse_projections.RowBlock``: a constant's data, or zero rows) one
+    after another: a fused projection's weight, read part by part when written."""
+
+    blocks: tuple  # of RowBlock
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.rows * b.row_bytes for b in self.blocks)
+
+    def tensor(self) -> torch.Tensor:
+        raise TypeError("a fused constant has bytes (data()), not a tensor value")
+
+    def data(self) -> np.ndarray:
+        pieces = []
+        for b in self.blocks:
+            if b.data is None:
+                pieces.append(np.zeros(b.rows * b.row_bytes, np.uint8))
+            elif isinstance(b.data, np.ndarray):
+                pieces.append(b.data.reshape(-1).view(np.uint8))
+            else:
+                pieces.append(np.array(b.data.data(), copy=True))  # outlives the part's release
+                done = getattr(b.data, "done", None)
+                if done is not None:
+                    done()
+        return np.concatenate(pieces)
+
+
+def concat_sources(blocks: Sequence) -> RowsSource:
+    """``ir.fuse_projections``' concat for lazy constants."""
+    return RowsSource(tuple(blocks))

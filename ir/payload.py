@@ -33,7 +33,7 @@ import math
 import struct
 import zlib
 from dataclasses import dataclass
-from typing import Mapping, Optional, Union
+from typing import Callable, Mapping, Optional, Union
 
 import flatbuffers
 import numpy as np
@@ -97,6 +97,9 @@ class Payload:
     manifest: dict  # JSON object
     constants: Mapping[int, Constant]  # constant slot -> where its bytes are in ``data``
     data: memoryview  # the aligned weight segment
+    # Drops a constant's bytes from this process once the loader has copied them (set by
+    # ``pte.read_pte`` for a mapped file: its pages would otherwise stay resident too).
+    release: Optional[Callable[[memoryview], None]] = None
 
     def constant_bytes(self, slot: int) -> memoryview:
         """The bytes of constant ``slot`` (no copy). KeyError if it is not a constant."""
