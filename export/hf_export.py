@@ -1,4 +1,10 @@
-"""``export_hf``: a local HF checkpoint directory to a ``.pte`` file, in three stages."""
+"""``export_hf``: a local HF checkpoint directory to a ``.pte`` file.
+
+The model is traced as a skeleton (``hf_checkpoint.load_skeleton``: no weights in
+memory), then each weight is read from the memory-mapped checkpoint, converted,
+quantized and written one at a time, so the export's memory is bounded by its largest
+tensor, not by the model.
+"""
 from __future__ import annotations
 
 import sys
@@ -10,7 +16,7 @@ from tqdm import tqdm
 from mlx_pte.ir.quantization import QuantSpec
 
 from .hf_attention import ATTN_IMPLEMENTATION
-from .hf_checkpoint import load_checkpoint, load_model
+from .hf_checkpoint import StoredLayoutDiffers, load_checkpoint, load_model, load_skeleton, weight_sources
 from .hf_errors import ExportOptionError
 from .hf_geometry import cache_layout
 from .hf_wrapper import HFWrapper, check_max_step, trace
@@ -36,7 +42,7 @@ def export_hf(
             means ``<out>/<model_dir name>.pte``. Its directory must exist.
         dtype: weights and compute dtype: float32, bfloat16 or float16.
         max_step: the most tokens one forward takes (prefill chunk size).
-        progress: show a progress bar on stderr.
+        progress: show a progress bar on stderr (one step per tensor written).
         quantize: quantize linear and embedding weights (from the ``dtype`` weights) to
             this type; a weight whose shape does not divide into groups stays in ``dtype``
             (``ir.quantization.full_precision_weights`` lists them).
@@ -51,7 +57,7 @@ def export_hf(
         HFExportError: an unusable checkpoint or option; the message says what to fix.
     """
     out = output_path(out, f"{Path(model_dir).resolve().name}.pte")
-    with tqdm(total=3, desc="export", unit="stage", file=sys.stderr, disable=not progress) as bar:
+    with tqdm(desc="export", unit="tensor", file=sys.stderr, disable=not progress) as bar:
         bar.set_postfix_str("load")
         check_max_step(max_step)
         if quantize is not None:
@@ -63,12 +69,21 @@ def export_hf(
             raise ExportOptionError(
                 f"max_step={max_step} exceeds the model's context of {manifest.max_context} tokens"
             )
-        model = load_model(checkpoint, dtype, ATTN_IMPLEMENTATION)
-        bar.update()
+        try:
+            wrapper = HFWrapper(load_skeleton(checkpoint, dtype, ATTN_IMPLEMENTATION), layout)
+        except StoredLayoutDiffers:
+            # Weights transformers converts on load (per-expert MoE tensors) are loaded whole.
+            wrapper = HFWrapper(load_model(checkpoint, dtype, ATTN_IMPLEMENTATION), layout)
         bar.set_postfix_str("trace")
-        program = trace(HFWrapper(model, layout), max_step)
-        bar.update()
-        bar.set_postfix_str("lower + write" if quantize is None else "lower + quantize + write")
-        path = export_program(program, out, manifest=manifest.to_dict(), fused_projections=fused_projections)
-        bar.update()
+        program = trace(wrapper, max_step)
+        bar.set_postfix_str("lower")
+
+        def written(name: str, index: int, count: int) -> None:
+            bar.total = count
+            bar.set_postfix_str(name)
+            bar.update()
+
+        path = export_program(program, out, manifest=manifest.to_dict(), sources=weight_sources(wrapper), progress=written,
+                              fused_projections=fused_projections)
+        bar.set_postfix_str("done")
     return Path(path)

@@ -108,7 +108,13 @@ class Program:
         upstream one; weights are copied into MLX. With ``group`` (an ``mx.distributed``
         group of more than one rank) it is this rank's shard (``interpreter.shards``)."""
         graph = payload.graph
-        weights = {s: load_weight(payload.constant_bytes(s), graph.slots[s].type) for s in graph.constants()}
+        release = getattr(payload, "release", None)
+        weights = {}
+        for s in graph.constants():
+            raw = payload.constant_bytes(s)
+            weights[s] = load_weight(raw, graph.slots[s].type)  # a copy: the file's pages can go
+            if release is not None:
+                release(raw)
         manifest = payload.manifest
         if group is not None and group.size() > 1:
             from .shards import shard_program  # mx.distributed only for a sharded load
