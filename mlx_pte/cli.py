@@ -31,6 +31,7 @@ from mlx_pte.serving.engine import DEFAULT_CAPACITY_CONTEXTS
 
 from .arguments import (
     add_batching_arguments,
+    add_max_step_argument,
     add_cache_arguments,
     add_sampling_arguments,
     add_serve_arguments,
@@ -232,8 +233,9 @@ def export_command(parser: argparse.ArgumentParser) -> Handler:
         help="dtype of weights and activations (default float32; MLX on CPU is fastest in float32)",
     )
     parser.add_argument(
-        "--max-step", type=int, default=256,
-        help="most tokens one forward takes (prefill chunk size); default 256",
+        "--max-step", type=int, default=None,
+        help="most tokens one forward of the program may take (the traced bound; the prefill chunk is "
+        "chosen at run time within it, see run --max-step); default: the model's context, at most 8192",
     )
     parser.add_argument(
         "--quantize", choices=tuple(PRESETS), default=None,
@@ -296,7 +298,7 @@ def default_model_pte() -> str:
         from mlx_pte.export.hf_export import export_hf
 
         print(f"exporting the bundled model {model_dir} to {pte} ...", file=sys.stderr)
-        export_hf(model_dir, pte, dtype="float32", max_step=256, progress=True)
+        export_hf(model_dir, pte, dtype="float32", progress=True)
     return str(pte)
 
 
@@ -312,11 +314,15 @@ def run_command(parser: argparse.ArgumentParser) -> Handler:
                         f"the model's max context with --prompt, {DEFAULT_CAPACITY_CONTEXTS} x it with --prompts")
     add_tokenizer_argument(parser)
     add_batching_arguments(parser)
+    add_max_step_argument(parser)
     add_sampling_arguments(parser)
 
     def run(args: argparse.Namespace) -> int:
         if (args.prompt is None) == (args.prompts is None):
             raise ValueError("give exactly one of --prompt TEXT or --prompts FILE")
+        if args.prompts and args.max_step is not None:
+            raise ValueError("--max-step applies to --prompt; with --prompts give the engine's step budget "
+                             "as --max-batch-tokens")
         args.model = args.model or default_model_pte()
         if args.prompts:
             return run_prompts(args)
@@ -327,7 +333,7 @@ def run_command(parser: argparse.ArgumentParser) -> Handler:
 
         program = load(args.model, tokenizer=args.tokenizer)
         session = Session(program, kind=args.cache or "single", capacity=args.capacity,
-                          kv_dtype=args.kv_dtype, max_seqs=args.max_seqs)
+                          kv_dtype=args.kv_dtype, max_seqs=args.max_seqs, max_step=args.max_step)
         prompt = args.prompt
         if args.chat:
             prompt = TextCodec(session.manifest).render_chat([{"role": "user", "content": prompt}])
@@ -399,6 +405,7 @@ def bench_command(parser: argparse.ArgumentParser) -> Handler:
     parser.add_argument("--generate", type=positive_int, default=64, help="tokens to generate (default 64)")
     parser.add_argument("--repeats", type=positive_int, default=3, help="timed runs after one warm-up (default 3)")
     add_cache_arguments(parser, KINDS, "single", "single", "the model's max context")
+    add_max_step_argument(parser)
     add_tokenizer_argument(parser)
 
     def run(args: argparse.Namespace) -> int:
@@ -416,7 +423,8 @@ def bench_command(parser: argparse.ArgumentParser) -> Handler:
         prompt = np.random.default_rng(0).integers(0, vocab, args.prompt_tokens).tolist()
 
         def once(n_prompt: int, n_new: int):
-            session = Session(program, kind=args.cache, capacity=args.capacity, kv_dtype=args.kv_dtype)
+            session = Session(program, kind=args.cache, capacity=args.capacity, kv_dtype=args.kv_dtype,
+                              max_step=args.max_step)
             return generate(session, prompt[:n_prompt], max_new_tokens=n_new, stop_on_eos=False)
 
         once(min(8, len(prompt)), 4)

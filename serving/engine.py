@@ -519,10 +519,10 @@ class Engine:
         self.capacity = self.cache.capacity
         self.max_context = manifest.max_context
         self.max_seqs = self.cache.max_seqs()
-        budget = max_batch_tokens if max_batch_tokens is not None else manifest.max_step
+        budget = max_batch_tokens if max_batch_tokens is not None else self.session.max_step
         if budget < 1:
             raise EngineError(f"max_batch_tokens must be at least 1, got {budget}")
-        self.token_budget = min(budget, manifest.max_step)
+        self.token_budget = min(budget, self.session.max_step)
         self.vocab_size = manifest.vocab_size
         self.eos_ids = frozenset(manifest.eos_token_ids)
         self.codec = TextCodec(manifest) if manifest.tokenizer else None
