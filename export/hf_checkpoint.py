@@ -24,6 +24,7 @@ from transformers import (
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from .hf_errors import CheckpointError, ExportOptionError
+from .hf_experts import route_experts
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -158,8 +159,10 @@ def load_model(checkpoint: HFCheckpoint, dtype: str, attn_implementation: str) -
             attn_implementation=attn_implementation,
             local_files_only=True,
         )
-    except (ValueError, KeyError, OSError, RuntimeError, SafetensorError) as exc:
+    # torch asserts its own preconditions, such as a config pad_token_id inside the embedding.
+    except (ValueError, KeyError, OSError, RuntimeError, SafetensorError, AssertionError) as exc:
         raise CheckpointError(
             f"the weights in {checkpoint.path} do not load: {_one_line(exc)}"
         ) from None
+    route_experts(model)
     return model.eval()
