@@ -8,6 +8,7 @@ tensor, not by the model.
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
@@ -19,17 +20,22 @@ from .hf_attention import ATTN_IMPLEMENTATION
 from .hf_checkpoint import StoredLayoutDiffers, load_checkpoint, load_model, load_skeleton, weight_sources
 from .hf_errors import ExportOptionError
 from .hf_geometry import cache_layout
-from .hf_wrapper import HFWrapper, check_max_step, trace
+from .hf_wrapper import MIN_MAX_STEP, HFWrapper, check_max_step, trace
 from .manifest import build_manifest
 from .program import export_program, output_path
 from .quantize import check_quantizable
+
+# The default bound of the traced token dimension: the model's context, up to this. The
+# bound costs nothing in the program (the dimension is symbolic); the run-time prefill
+# chunk (``Session(max_step=...)``) is chosen per device within it.
+DEFAULT_MAX_STEP = 8192
 
 
 def export_hf(
     model_dir: Path | str,
     out: Path | str,
     dtype: str = "float32",
-    max_step: int = 256,
+    max_step: Optional[int] = None,
     progress: bool = True,
     quantize: Optional[QuantSpec] = None,
     fused_projections: bool = True,
@@ -41,7 +47,9 @@ def export_hf(
         out: the ``.pte`` path to write; an existing directory (or a path ending in "/")
             means ``<out>/<model_dir name>.pte``. Its directory must exist.
         dtype: weights and compute dtype: float32, bfloat16 or float16.
-        max_step: the most tokens one forward takes (prefill chunk size).
+        max_step: the most tokens one forward of the program may take: the bound of the
+            traced token dimension, within which ``Session(max_step=...)`` picks the prefill
+            chunk at run time. Default: the model's context, at most DEFAULT_MAX_STEP.
         progress: show a progress bar on stderr (one step per tensor written).
         quantize: quantize linear and embedding weights (from the ``dtype`` weights) to
             this type; a weight whose shape does not divide into groups stays in ``dtype``
@@ -59,12 +67,16 @@ def export_hf(
     out = output_path(out, f"{Path(model_dir).resolve().name}.pte")
     with tqdm(desc="export", unit="tensor", file=sys.stderr, disable=not progress) as bar:
         bar.set_postfix_str("load")
-        check_max_step(max_step)
+        if max_step is not None:
+            check_max_step(max_step)
         if quantize is not None:
             check_quantizable(quantize)
         checkpoint = load_checkpoint(model_dir)
         layout = cache_layout(checkpoint.config)
-        manifest = build_manifest(checkpoint, layout, dtype, max_step, quantize)
+        manifest = build_manifest(checkpoint, layout, dtype, max_step or DEFAULT_MAX_STEP, quantize)
+        if max_step is None:  # the context is known once the manifest is built
+            max_step = max(min(manifest.max_context, DEFAULT_MAX_STEP), MIN_MAX_STEP)
+            manifest = replace(manifest, max_step=max_step)
         if max_step > manifest.max_context:
             raise ExportOptionError(
                 f"max_step={max_step} exceeds the model's context of {manifest.max_context} tokens"

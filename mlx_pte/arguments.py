@@ -69,6 +69,13 @@ def add_cache_arguments(parser: argparse.ArgumentParser, kinds: Sequence[str], d
                         help="K/V storage dtype (default: the model's dtype)")
 
 
+def add_max_step_argument(parser: argparse.ArgumentParser) -> None:
+    """The run-time prefill chunk (``Session(max_step=...)``) of a single-session command."""
+    parser.add_argument("--max-step", type=positive_int, default=None,
+                        help="most tokens per forward (the prefill chunk), at most the export's bound; "
+                        "default: 2048 on the GPU, 256 on the CPU, within that bound")
+
+
 def add_batching_arguments(parser: argparse.ArgumentParser) -> None:
     """Options that size the engine (``serve`` and ``run --prompts``)."""
     parser.add_argument("--max-batch-tokens", type=positive_int, default=None,

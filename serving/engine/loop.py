@@ -96,10 +96,10 @@ class Engine:
         self.kind = kind
         self.cache = self.session.cache
         manifest = self.session.manifest
-        budget = max_batch_tokens if max_batch_tokens is not None else manifest.max_step
+        budget = max_batch_tokens if max_batch_tokens is not None else self.session.max_step
         if budget < 1:
             raise EngineError(f"max_batch_tokens must be at least 1, got {budget}")
-        self.limits = Limits(min(budget, manifest.max_step), self.cache.capacity, manifest.max_context,
+        self.limits = Limits(min(budget, self.session.max_step), self.cache.capacity, manifest.max_context,
                              self.cache.max_seqs())
         self.vocab_size = manifest.vocab_size
         self.eos_ids = frozenset(manifest.eos_token_ids)
