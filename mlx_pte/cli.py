@@ -400,6 +400,8 @@ def serve_command(parser: argparse.ArgumentParser) -> Handler:
             raise ValueError("serve does not run tensor-parallel yet; run it as one process")
         engine = open_engine(args.model, args.cache, args.capacity, args.max_batch_tokens, args.max_seqs,
                              args.kv_dtype, args.tokenizer, args.prompt_cache_tokens)
+        # Every compile bucket is traced before the port opens, so no request pays for it.
+        print(f"warmed up {engine.kind} engine in {engine.warm_up():.1f} s", file=sys.stderr, flush=True)
         serve(engine, args.model_id or Path(args.model).stem, args.host, args.port,
               BodyLimits(args.max_body_bytes, args.body_timeout), args.header_timeout, args.keep_alive)
         return 0
