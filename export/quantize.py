@@ -21,8 +21,7 @@ import torch
 from torch.export import ExportedProgram
 from torch.fx import Node
 
-import mlx_pte.runtime.mlx.blas  # noqa: F401  (load an optimized BLAS before mlx.core)
-import mlx.core as mx
+from mlx_pte.runtime.mlx.bootstrap import mx
 
 from mlx_pte.ir.graph import TensorType
 from mlx_pte.ir.quantization import QuantizationError, QuantSpec, keep_reason

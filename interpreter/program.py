@@ -13,8 +13,7 @@ from typing import Any, Mapping, Optional, Sequence, Union
 
 import numpy as np
 
-import mlx_pte.runtime.mlx.blas  # noqa: F401  (load an optimized BLAS before mlx.core)
-import mlx.core as mx
+from mlx_pte.runtime.mlx.bootstrap import mx
 
 from mlx_pte.ir.errors import FormatError
 from mlx_pte.ir.graph import Graph, SymDim, TensorType

@@ -426,6 +426,8 @@ def serve_command(parser: argparse.ArgumentParser) -> Handler:
                                args.kv_dtype, args.tokenizer, args.prompt_cache_tokens, group=group)
 
         def serve_engine(engine) -> None:
+            # Every compile bucket is traced before the port opens, so no request pays for it.
+            print(f"warmed up {engine.kind} engine in {engine.warm_up():.1f} s", file=sys.stderr, flush=True)
             serve(engine, args.model_id or Path(args.model).stem, args.host, args.port,
                   BodyLimits(args.max_body_bytes, args.body_timeout), args.header_timeout, args.keep_alive,
                   args.template_budget)
