@@ -24,6 +24,7 @@ from transformers import (
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from .hf_errors import CheckpointError, ExportOptionError
+from .hf_experts import route_experts
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -163,4 +164,5 @@ def load_model(checkpoint: HFCheckpoint, dtype: str, attn_implementation: str) -
         raise CheckpointError(
             f"the weights in {checkpoint.path} do not load: {_one_line(exc)}"
         ) from None
+    route_experts(model)
     return model.eval()

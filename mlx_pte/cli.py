@@ -328,8 +328,6 @@ def run_command(parser: argparse.ArgumentParser) -> Handler:
         if args.tp is not None and not tensor_parallel.launched():
             return tensor_parallel.launch_local(args.tp, tensor_parallel.without_tp(args.argv))
         if args.prompts:
-            if tensor_parallel.launched():
-                raise ValueError("--prompts does not run tensor-parallel yet; use --prompt")
             return run_prompts(args)
         from mlx_pte.interpreter.program import load
 
@@ -377,13 +375,25 @@ def run_prompts(args: argparse.Namespace) -> int:
     from mlx_pte.serving.engine import open_engine
     from mlx_pte.serving.openai.prompts_file import run_prompts_file
 
-    engine = open_engine(args.model, args.cache or KIND_BATCHED_SEQUENCE, args.capacity, args.max_batch_tokens, args.max_seqs, args.kv_dtype,
-                         args.tokenizer, args.prompt_cache_tokens)
-    if engine.codec is not None:
-        engine.codec.template_budget = args.template_budget
-    defaults = {"max_tokens": args.max_new_tokens, "temperature": args.temperature, "top_k": args.top_k,
-                "top_p": args.top_p, "seed": args.seed}
-    run_prompts_file(engine, Path(args.prompts), {k: v for k, v in defaults.items() if v is not None})
+    def engine_for(group):
+        engine = open_engine(args.model, args.cache or KIND_BATCHED_SEQUENCE, args.capacity, args.max_batch_tokens,
+                             args.max_seqs, args.kv_dtype, args.tokenizer, args.prompt_cache_tokens, group=group)
+        if engine.codec is not None:
+            engine.codec.template_budget = args.template_budget
+        return engine
+
+    def run_file(engine) -> None:
+        defaults = {"max_tokens": args.max_new_tokens, "temperature": args.temperature, "top_k": args.top_k,
+                    "top_p": args.top_p, "seed": args.seed}
+        run_prompts_file(engine, Path(args.prompts), {k: v for k, v in defaults.items() if v is not None})
+
+    group = tensor_parallel.join_group()
+    if group is not None and group.size() > 1:
+        from mlx_pte.serving.tp_serve import serve_ranks
+
+        with tensor_parallel.lost_ranks(group):
+            return serve_ranks(group, engine_for, run_file)
+    run_file(engine_for(None))
     return 0
 
 
@@ -393,6 +403,7 @@ def run_prompts(args: argparse.Namespace) -> int:
 @command("serve", "serve a .pte file over an OpenAI-compatible HTTP API (completions, chat, streaming)")
 def serve_command(parser: argparse.ArgumentParser) -> Handler:
     add_serve_arguments(parser)
+    tensor_parallel.add_tp_argument(parser)
 
     def run(args: argparse.Namespace) -> int:
         from pathlib import Path
@@ -401,13 +412,25 @@ def serve_command(parser: argparse.ArgumentParser) -> Handler:
         from mlx_pte.serving.engine import open_engine
         from mlx_pte.serving.openai.request_body import BodyLimits
 
-        if tensor_parallel.launched():
-            raise ValueError("serve does not run tensor-parallel yet; run it as one process")
-        engine = open_engine(args.model, args.cache, args.capacity, args.max_batch_tokens, args.max_seqs,
-                             args.kv_dtype, args.tokenizer, args.prompt_cache_tokens)
-        serve(engine, args.model_id or Path(args.model).stem, args.host, args.port,
-              BodyLimits(args.max_body_bytes, args.body_timeout), args.header_timeout, args.keep_alive,
-              args.template_budget)
+        if args.tp is not None and not tensor_parallel.launched():
+            return tensor_parallel.launch_local(args.tp, tensor_parallel.without_tp(args.argv))
+
+        def engine_for(group):
+            return open_engine(args.model, args.cache, args.capacity, args.max_batch_tokens, args.max_seqs,
+                               args.kv_dtype, args.tokenizer, args.prompt_cache_tokens, group=group)
+
+        def serve_engine(engine) -> None:
+            serve(engine, args.model_id or Path(args.model).stem, args.host, args.port,
+                  BodyLimits(args.max_body_bytes, args.body_timeout), args.header_timeout, args.keep_alive,
+                  args.template_budget)
+
+        group = tensor_parallel.join_group()
+        if group is not None and group.size() > 1:
+            from mlx_pte.serving.tp_serve import serve_ranks
+
+            with tensor_parallel.lost_ranks(group):
+                return serve_ranks(group, engine_for, serve_engine)
+        serve_engine(engine_for(None))
         return 0
 
     return run

@@ -95,6 +95,23 @@ def test_run_with_tp_prints_the_single_process_text(tmp_path_factory, tiny_check
     assert two.stdout == one.stdout and one.stdout.startswith("def f(x):")
 
 
+def test_run_prompts_with_tp_prints_the_single_process_replies(tmp_path, tmp_path_factory, tiny_checkpoint):
+    """``--prompts`` runs the batching engine: rank 0 leads, rank 1 replays its steps."""
+    path = str(exported_pte(tmp_path_factory, tiny_checkpoint, "llama"))
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("def f(x):\nThe class\nimport os\n")
+    args = ["run", path, "--prompts", str(prompts), "--max-new-tokens", "10", "--temperature", "0"]
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    one, two = (subprocess.run(_cli(*args, *extra), env=env, capture_output=True, text=True, timeout=2 * START_S)
+                for extra in ([], ["--tp", "2"]))
+    assert one.returncode == 0 and two.returncode == 0, two.stderr
+
+    def replies(out: str) -> list[str]:  # less the closing line of timings
+        return [line for line in out.splitlines() if not line.startswith("=== ")]
+
+    assert replies(two.stdout) == replies(one.stdout) and len(replies(one.stdout)) == 6
+
+
 # The follower: the real command line, with a forward that kills its own process on the 6th step.
 _DYING_FOLLOWER = textwrap.dedent("""
     import os, signal, sys
