@@ -136,7 +136,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds a client has to send a request's headers, else 408 and close "
                              f"(default: {DEFAULT_HEADER_TIMEOUT:g})")
     parser.add_argument("--body-timeout", type=positive_float, default=DEFAULT_BODY_TIMEOUT,
-                        help="seconds to wait for each chunk of a request body, else 408 and close "
+                        help="seconds the whole of a request body may take to arrive, else 408 and close "
                              f"(default: {DEFAULT_BODY_TIMEOUT:g})")
     parser.add_argument("--keep-alive", type=positive_float, default=DEFAULT_KEEP_ALIVE,
                         help=f"seconds an idle keep-alive connection stays open (default: {DEFAULT_KEEP_ALIVE:g})")

@@ -104,7 +104,7 @@ def create_app(engine: Engine, model_id: str, limits: BodyLimits = BodyLimits(),
                template_budget: float = DEFAULT_TEMPLATE_BUDGET):
     """The starlette app serving ``engine`` as ``model_id``; it starts and stops the engine.
 
-    ``limits`` bound each request body (size, and seconds per chunk); ``template_budget`` is
+    ``limits`` bound each request body (size, and seconds for the whole body); ``template_budget`` is
     the CPU seconds one chat-template render may take (renders run on worker threads, so
     other requests are answered meanwhile).
     """
