@@ -42,15 +42,17 @@ FULL = "fp32"  # this bench's full-precision label
 CAPTURES = {"on": [True], "off": [False], "both": [True, False]}
 
 
-def make_model(out: Path, layers: int) -> Path:
-    """A SmolLM-135M-shaped Llama checkpoint (``layers`` layers) with random weights (no download)."""
+def make_model(out: Path, layers: int, heads: int = 9, kv_heads: int = 3) -> Path:
+    """A SmolLM-135M-shaped Llama checkpoint (``layers`` layers) with random weights (no download).
+    ``heads`` / ``kv_heads`` regroup the same 576 features (bench/tp_cpu.py: 12 / 4, which two
+    ranks divide, with the same projection sizes)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     config = LlamaConfig(
         vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=layers,
-        num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=576 // heads, max_position_embeddings=2048,
         tie_word_embeddings=True, rope_theta=10000.0,
     )
     LlamaForCausalLM(config).eval().save_pretrained(out)

@@ -13,7 +13,7 @@ import argparse
 import random
 import time
 
-from mlx_pte.serving.prompt_store import PromptStore
+from mlx_pte.serving.engine.prompt_store import PromptStore
 
 
 def main() -> None:

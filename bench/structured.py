@@ -33,7 +33,7 @@ SCHEMA = {
 def run_batch(engine, prompt: list[int], batch: int, constrained: int, generate: int) -> float:
     """tok/s of ``batch`` requests, the first ``constrained`` of them under SCHEMA."""
     from mlx_pte.serving.engine import Request
-    from mlx_pte.serving.grammar import Grammar
+    from mlx_pte.serving.sampling.grammar import Grammar
 
     grammar = Grammar.json_schema(SCHEMA)
     t0 = time.perf_counter()

@@ -3,6 +3,8 @@ payload (IR graph + weights + manifest) that the interpreter runs.
 
 Two compile specs (JSON) reach ``preprocess``: the manifest to store, and the program's
 ``Signature`` (input/output order and dynamic ranges, which the delegated program lacks).
+The manifest also carries the lowering's options: ``quantization``, and
+``extra["projections"] = "separate"`` when projections are not fused (``SEPARATE``).
 """
 from __future__ import annotations
 
@@ -24,6 +26,8 @@ from .lowering import Signature, lower_program
 
 MANIFEST_SPEC = "manifest"
 SIGNATURE_SPEC = "signature"
+# The manifest's extra["projections"] of an export whose linears are not fused.
+SEPARATE = "separate"
 
 
 def compile_specs(manifest: Mapping[str, Any], signature: Signature) -> list[CompileSpec]:
@@ -68,6 +72,7 @@ class MLXPteBackend(BackendDetails):
             edge_program,
             Signature.from_json(_spec(compile_specs, SIGNATURE_SPEC)),
             None if quantization is None else QuantSpec.from_dict(quantization),
+            fused_projections=manifest.get("extra", {}).get("projections") != SEPARATE,
         )
         return PreprocessResult(encode_payload(graph, constants, manifest))
 

@@ -2,7 +2,7 @@
 constants and dynamic sizes, shared by every lowering in ``op_lowerings``."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Mapping, Optional, Union
+from typing import Any, Mapping, Optional, Union
 
 import numpy as np
 import sympy
@@ -17,9 +17,6 @@ from torch.utils._sympy.value_ranges import ValueRanges, bound_sympy
 from mlx_pte.ir.catalog import lookup
 from mlx_pte.ir.graph import Dim, Graph, Instruction, ScalarType, SlotKind, SlotRef, SymDim, TensorType
 from mlx_pte.ir.quantization import QuantSpec
-
-if TYPE_CHECKING:
-    from .quantize import PackedWeight
 
 DTYPE_NAMES: dict[torch.dtype, str] = {
     torch.float32: "float32",
@@ -116,6 +113,7 @@ class Builder:
         self.constants: dict[int, np.ndarray] = {}
         self.slots: dict[Node, Union[int, tuple[int, ...]]] = {}
         # quantized weight placeholder -> (QuantSpec, weight, scales, biases or None) slots
+        # (filled by ``export.quantize.add_quantized``)
         self.quantized: dict[Node, tuple[QuantSpec, int, int, Optional[int]]] = {}
         self._casts: dict[tuple[int, str], int] = {}
         self._scalars: dict[tuple[str, float], int] = {}
@@ -146,12 +144,6 @@ class Builder:
         slot = self.graph.add_slot(name, SlotKind.CONSTANT, type)
         self.constants[slot] = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
         return slot
-
-    def add_quantized(self, node: Node, name: str, packed: "PackedWeight") -> None:
-        """``node``'s weight as its packed parts: constants ``name``, ``name.scales`` and
-        ``name.biases`` (affine only), read by the quantized ops that replace its users."""
-        slots = [self.add_constant_bytes(name + suffix, t, a) for suffix, t, a in packed.parts()]
-        self.quantized[node] = (packed.spec, *slots, *([None] * (3 - len(slots))))
 
     def emit(self, op: str, inputs: tuple, attrs: dict[str, Any], name: str, types: list) -> list[int]:
         outs = [self.graph.add_slot(f"{name}" if len(types) == 1 else f"{name}.{i}", SlotKind.TEMP, t)

@@ -159,7 +159,8 @@ def load_model(checkpoint: HFCheckpoint, dtype: str, attn_implementation: str) -
             attn_implementation=attn_implementation,
             local_files_only=True,
         )
-    except (ValueError, KeyError, OSError, RuntimeError, SafetensorError) as exc:
+    # torch asserts its own preconditions, such as a config pad_token_id inside the embedding.
+    except (ValueError, KeyError, OSError, RuntimeError, SafetensorError, AssertionError) as exc:
         raise CheckpointError(
             f"the weights in {checkpoint.path} do not load: {_one_line(exc)}"
         ) from None

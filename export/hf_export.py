@@ -26,6 +26,7 @@ def export_hf(
     max_step: int = 256,
     progress: bool = True,
     quantize: Optional[QuantSpec] = None,
+    fused_projections: bool = True,
 ) -> Path:
     """Export the causal LM in ``model_dir`` to ``out`` (never downloads).
 
@@ -39,6 +40,8 @@ def export_hf(
         quantize: quantize linear and embedding weights (from the ``dtype`` weights) to
             this type; a weight whose shape does not divide into groups stays in ``dtype``
             (``ir.quantization.full_precision_weights`` lists them).
+        fused_projections: q/k/v as one matmul and gate/up as one (``ir.fuse_projections``);
+            False keeps a matmul per projection.
 
     Returns:
         The written path.
@@ -66,6 +69,6 @@ def export_hf(
         program = trace(HFWrapper(model, layout), max_step)
         bar.update()
         bar.set_postfix_str("lower + write" if quantize is None else "lower + quantize + write")
-        path = export_program(program, out, manifest=manifest.to_dict())
+        path = export_program(program, out, manifest=manifest.to_dict(), fused_projections=fused_projections)
         bar.update()
     return Path(path)

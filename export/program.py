@@ -14,7 +14,7 @@ from torch.export import ExportedProgram
 
 from mlx_pte.ir.quantization import QuantSpec
 
-from .backend import drop_preprocess_specs
+from .backend import SEPARATE, drop_preprocess_specs
 from .errors import OutputPathError
 from .lowering import dim_ranges
 from .partitioner import MLXPtePartitioner
@@ -27,6 +27,7 @@ def export_program(
     out: PathLike,
     manifest: Optional[Mapping[str, Any]] = None,
     quantization: Optional[QuantSpec] = None,
+    fused_projections: bool = True,
 ) -> Path:
     """Lower ``ep`` to the MLX backend and write the ``.pte`` to ``out``.
 
@@ -40,6 +41,9 @@ def export_program(
             (see ``ir.manifest.Manifest``); ``{}`` when omitted.
         quantization: quantize linear and embedding weights to this type (see
             ``export.quantize``; recorded as the manifest's ``quantization``).
+        fused_projections: one matmul for the linears that read one input (q/k/v,
+            gate/up; ``ir.fuse_projections``); False keeps one each (recorded as the
+            manifest's ``extra["projections"] = "separate"``).
 
     Returns:
         The path written.
@@ -50,6 +54,8 @@ def export_program(
     manifest = dict(manifest or {})
     if quantization is not None:
         manifest["quantization"] = quantization.to_dict()
+    if not fused_projections:
+        manifest["extra"] = {**manifest.get("extra", {}), "projections": SEPARATE}
     edge = to_edge_transform_and_lower(
         ep,
         partitioner=[MLXPtePartitioner(manifest, dim_ranges(ep))],
@@ -68,6 +74,7 @@ def export_module(
     dynamic_shapes: Optional[Any] = None,
     manifest: Optional[Mapping[str, Any]] = None,
     quantization: Optional[QuantSpec] = None,
+    fused_projections: bool = True,
 ) -> Path:
     """``torch.export`` ``module`` (non-strict) on ``example_inputs``, then ``export_program``.
 
@@ -76,13 +83,13 @@ def export_module(
         example_inputs: positional inputs for tracing.
         out: the ``.pte`` path to write.
         dynamic_shapes: as ``torch.export.export`` takes them.
-        manifest, quantization: see ``export_program``.
+        manifest, quantization, fused_projections: see ``export_program``.
 
     Returns:
         The path written.
     """
     ep = torch.export.export(module, tuple(example_inputs), dynamic_shapes=dynamic_shapes, strict=False)
-    return export_program(ep, out, manifest, quantization)
+    return export_program(ep, out, manifest, quantization, fused_projections)
 
 
 # The temp file of an export in progress: beside the output, visible, tagged with the writer's pid.

@@ -27,7 +27,7 @@ import mlx.core as mx
 from mlx_pte.ir.graph import TensorType
 from mlx_pte.ir.quantization import QuantizationError, QuantSpec, keep_reason
 
-from .graph_builder import DTYPE_NAMES, ep_constant, target_key
+from .graph_builder import DTYPE_NAMES, Builder, ep_constant, target_key
 
 aten = torch.ops.aten
 
@@ -93,6 +93,13 @@ def plan_quantization(
         if some and keep_reason(spec, tuple(tensor.shape), dtype, other_reads=not every) is None:
             packed[node] = quantize_weight(tensor, spec)
     return packed
+
+
+def add_quantized(b: Builder, node: Node, name: str, packed: PackedWeight) -> None:
+    """``node``'s weight as its packed parts: constants ``name``, ``name.scales`` and
+    ``name.biases`` (affine only), read by the quantized ops that replace its users."""
+    slots = [b.add_constant_bytes(name + suffix, t, a) for suffix, t, a in packed.parts()]
+    b.quantized[node] = (packed.spec, *slots, *([None] * (3 - len(slots))))
 
 
 def check_quantizable(spec: QuantSpec) -> None:

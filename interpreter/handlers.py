@@ -20,6 +20,8 @@ import mlx.core as mx
 
 from mlx_pte.ir.catalog import CATALOG
 
+from .groups import all_sum
+
 MX_DTYPES: dict[str, mx.Dtype] = {
     "float32": mx.float32,
     "float16": mx.float16,
@@ -581,6 +583,8 @@ def _scatter_add(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx.array
     coords[dim] = index
     return x.at[tuple(coords)].add(updates)
 
+
+HANDLERS["all_sum"] = all_sum  # interpreter.groups: the process group it names
 
 from . import moe_handlers  # noqa: E402,F401  (registers topk and experts; it builds on handles above)
 

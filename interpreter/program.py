@@ -103,12 +103,18 @@ class Program:
         return self._capture.compilations if self._capture is not None else 0
 
     @classmethod
-    def from_payload(cls, payload: Union[Payload, ImportedPayload]) -> "Program":
+    def from_payload(cls, payload: Union[Payload, ImportedPayload], group: Any = None) -> "Program":
         """A program from a decoded (hence validated) payload, mlx-pte's or an imported
-        upstream one; weights are copied into MLX."""
+        upstream one; weights are copied into MLX. With ``group`` (an ``mx.distributed``
+        group of more than one rank) it is this rank's shard (``interpreter.shards``)."""
         graph = payload.graph
         weights = {s: load_weight(payload.constant_bytes(s), graph.slots[s].type) for s in graph.constants()}
-        return cls(graph, weights, payload.manifest)
+        manifest = payload.manifest
+        if group is not None and group.size() > 1:
+            from .shards import shard_program  # mx.distributed only for a sharded load
+
+            graph, weights, manifest = shard_program(graph, weights, manifest, group)
+        return cls(graph, weights, manifest)
 
     def weight(self, name: str) -> mx.array:
         """A weight by its export name (e.g. ``"lm_head.weight"``)."""
@@ -212,7 +218,7 @@ def _check_shape(name: str, shape: tuple[int, ...], expected: tuple, bound: dict
             raise InputError(f"input {name!r} must have shape {wanted}, got {list(shape)}")
 
 
-def load(path: Union[str, Path], tokenizer: Optional[Union[str, Path]] = None) -> Program:
+def load(path: Union[str, Path], tokenizer: Optional[Union[str, Path]] = None, group: Any = None) -> Program:
     """Read a ``.pte`` (mlx-pte's own, or upstream ExecuTorch's MLX export) and map its
     weights into MLX once.
 
@@ -220,12 +226,16 @@ def load(path: Union[str, Path], tokenizer: Optional[Union[str, Path]] = None) -
         path: the ``.pte`` file.
         tokenizer: a Hugging Face checkpoint directory whose tokenizer (and config) replace
             the file's; upstream files carry none, so text needs one.
+        group: an ``mx.distributed`` group: load this process's tensor-parallel shard
+            (``ir.sharding``); every rank of the group must load the same file and run
+            the same steps. None, or a group of one, loads the whole program.
 
     Raises:
         FormatError: the file is not such a program, or is truncated or corrupt.
         TokenizerDirError: ``tokenizer`` is not a usable checkpoint directory.
+        ShardingError: the program cannot be split over the group's ranks.
     """
     fields = tokenizer_fields(tokenizer) if tokenizer is not None else {}
-    program = Program.from_payload(read_pte(path))
+    program = Program.from_payload(read_pte(path), group)
     program.manifest.update(fields)
     return program

@@ -27,7 +27,7 @@ from mlx_pte.runtime.cache import (
     Step,
 )
 
-from .text import check_manifest_text
+from .text import checked_manifest
 
 
 class SessionError(ValueError):
@@ -89,8 +89,7 @@ class Session:
     ) -> None:
         self.program = program
         self.capture = capture
-        self.manifest = Manifest.from_dict(program.manifest)
-        check_manifest_text(self.manifest)
+        self.manifest = checked_manifest(program.manifest)
         check_cache_ids(program.graph, self.manifest)
         self.kind = kind
         config = CacheConfig(

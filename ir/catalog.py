@@ -601,6 +601,20 @@ define(
 )
 
 
+# Collectives: never written by the exporter; the loader inserts one after every
+# row-parallel linear when it shards a program over several processes (``ir.sharding``).
+# ``group`` names the process group in the interpreter's registry (``interpreter.groups``).
+define(
+    OpSpec(
+        "all_sum",
+        ("x",),
+        _attrs(("group", "int")),
+        output_rule="same dtype and shape as x: the elementwise sum of x over every rank of the group "
+        "(MLX: mx.distributed.all_sum(x, group=group))",
+    )
+)
+
+
 # Ops that only imported upstream ExecuTorch programs use (``ir.upstream``): mlx-pte's
 # exporter never emits them; upstream's own op test cases check them against eager torch
 # (tests/upstream/test_op_suite.py). Operands keep their dtypes: MLX promotes, as upstream's

@@ -73,13 +73,19 @@ class Manifest:
                 for name in CacheLayerSpec.__dataclass_fields__
             }))  # fmt: skip
         vocab_size = _count(d, "vocab_size", 1)
-        token_ids = {"bos_token_id": d.get("bos_token_id"), "pad_token_id": d.get("pad_token_id")}
         eos = d.get("eos_token_ids") or []
         if not isinstance(eos, list):
             raise FormatError(f"the manifest's eos_token_ids must be a list of token ids, got {eos!r}")
-        for name, value in [*token_ids.items(), *((f"eos_token_ids[{i}]", v) for i, v in enumerate(eos))]:
+        # bos is embedded and eos sampled, so both lie inside the embedding. A pad id is never
+        # embedded (padding never reaches the model), so, as in HF, it may lie past the
+        # vocabulary: a tokenizer that adds its pad token after the model's rows is valid.
+        embedded = [("bos_token_id", d.get("bos_token_id")), *((f"eos_token_ids[{i}]", v) for i, v in enumerate(eos))]
+        for name, value in embedded:
             if value is not None and not (_is_int(value) and 0 <= value < vocab_size):
                 raise FormatError(f"the manifest's {name} must be a token id below {vocab_size}, got {value!r}")
+        pad = d.get("pad_token_id")
+        if pad is not None and not (_is_int(pad) and pad >= 0):
+            raise FormatError(f"the manifest's pad_token_id must be a token id (an integer >= 0), got {pad!r}")
         dtype = _field(d, "dtype", str)
         if dtype not in MODEL_DTYPES:
             raise FormatError(f"the manifest's dtype must be one of {', '.join(MODEL_DTYPES)}, got {dtype!r}")
@@ -92,9 +98,9 @@ class Manifest:
             max_context=_count(d, "max_context", 1),
             tokenizer=_field(d, "tokenizer", str, optional=True),
             chat_template=_field(d, "chat_template", str, optional=True),
-            bos_token_id=token_ids["bos_token_id"],
+            bos_token_id=d.get("bos_token_id"),
             eos_token_ids=tuple(eos),
-            pad_token_id=token_ids["pad_token_id"],
+            pad_token_id=pad,
             format_version=version,
             extra=dict(_field(d, "extra", dict, optional=True) or {}),
             quantization=None if d.get("quantization") is None else QuantSpec.from_dict(d["quantization"]),

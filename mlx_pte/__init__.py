@@ -13,7 +13,7 @@ _EXPORTS = {
     "Session": "mlx_pte.interpreter.session",
     "generate": "mlx_pte.serving.generation",
     "GenerationResult": "mlx_pte.serving.generation",
-    "SamplingParams": "mlx_pte.serving.sampling",
+    "SamplingParams": "mlx_pte.serving.sampling.params",
     "Engine": "mlx_pte.serving.engine",
     "Request": "mlx_pte.serving.engine",
 }

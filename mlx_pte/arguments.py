@@ -9,12 +9,13 @@ import argparse
 import math
 from typing import Callable, Optional, Sequence
 
+from mlx_pte.interpreter.chat_template import DEFAULT_BUDGET as DEFAULT_TEMPLATE_BUDGET
 from mlx_pte.runtime.cache import KINDS, KV_DTYPES
-from mlx_pte.serving.app import DEFAULT_HEADER_TIMEOUT, DEFAULT_KEEP_ALIVE
+from mlx_pte.serving.openai.app import DEFAULT_HEADER_TIMEOUT, DEFAULT_KEEP_ALIVE
 from mlx_pte.serving.engine import DEFAULT_CAPACITY_CONTEXTS
-from mlx_pte.serving.request_body import DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_BODY_BYTES, MAX_DEPTH, MAX_INT_DIGITS
-from mlx_pte.serving.sampling import GREEDY_TEMPERATURE
-from mlx_pte.serving.stops import MAX_STOP_CHARS, MAX_STOPS
+from mlx_pte.serving.openai.request_body import DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_BODY_BYTES, MAX_DEPTH, MAX_INT_DIGITS
+from mlx_pte.serving.sampling.params import GREEDY_TEMPERATURE
+from mlx_pte.serving.text.stops import MAX_STOP_CHARS, MAX_STOPS
 
 
 def _checked(kind: type, what: str, ok: Callable[[float], bool]) -> Callable[[str], float]:
@@ -81,6 +82,12 @@ def add_batching_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_template_budget_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--template-budget", type=positive_float, default=DEFAULT_TEMPLATE_BUDGET, metavar="SECONDS",
+                        help="CPU seconds one chat-template render may take before it is refused "
+                             f"(default: {DEFAULT_TEMPLATE_BUDGET:g})")
+
+
 def add_tokenizer_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--tokenizer", metavar="HF_DIR", default=None,
@@ -103,6 +110,7 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="the .pte file to serve")
     add_tokenizer_argument(parser)
+    add_template_budget_argument(parser)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=tcp_port, default=8000)
     parser.add_argument("--model-id", default=None, help="the name clients use (default: the file's stem)")

@@ -29,11 +29,14 @@ from mlx_pte.ir.upstream.importer import ImportedPayload
 from mlx_pte.runtime.cache import KIND_BATCHED_SEQUENCE, KINDS, CacheError
 from mlx_pte.serving.engine import DEFAULT_CAPACITY_CONTEXTS
 
+from mlx_pte.serving import tensor_parallel
+
 from .arguments import (
     add_batching_arguments,
     add_cache_arguments,
     add_sampling_arguments,
     add_serve_arguments,
+    add_template_budget_argument,
     add_tokenizer_argument,
     positive_int,
 )
@@ -89,7 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    args.argv = argv  # ``--tp N`` starts the same command line in each rank
     try:
         _check_text_arguments(args)
         return args.handler(args)
@@ -278,7 +283,7 @@ def quiet_export_dependencies() -> None:
 
 
 def sampling_from(args: argparse.Namespace):
-    from mlx_pte.serving.sampling import SamplingParams
+    from mlx_pte.serving.sampling.params import SamplingParams
 
     return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
 
@@ -311,44 +316,56 @@ def run_command(parser: argparse.ArgumentParser) -> Handler:
     add_cache_arguments(parser, KINDS, None, "single for --prompt, batched-sequence for --prompts",
                         f"the model's max context with --prompt, {DEFAULT_CAPACITY_CONTEXTS} x it with --prompts")
     add_tokenizer_argument(parser)
+    add_template_budget_argument(parser)
     add_batching_arguments(parser)
     add_sampling_arguments(parser)
+    tensor_parallel.add_tp_argument(parser)
 
     def run(args: argparse.Namespace) -> int:
         if (args.prompt is None) == (args.prompts is None):
             raise ValueError("give exactly one of --prompt TEXT or --prompts FILE")
         args.model = args.model or default_model_pte()
+        if args.tp is not None and not tensor_parallel.launched():
+            return tensor_parallel.launch_local(args.tp, tensor_parallel.without_tp(args.argv))
         if args.prompts:
             return run_prompts(args)
         from mlx_pte.interpreter.program import load
-        from mlx_pte.interpreter.session import Session
-        from mlx_pte.interpreter.text import TextCodec
-        from mlx_pte.serving.generation import generate
 
-        program = load(args.model, tokenizer=args.tokenizer)
-        session = Session(program, kind=args.cache or "single", capacity=args.capacity,
-                          kv_dtype=args.kv_dtype, max_seqs=args.max_seqs)
-        prompt = args.prompt
-        if args.chat:
-            prompt = TextCodec(session.manifest).render_chat([{"role": "user", "content": prompt}])
-        echo = [args.prompt if not args.chat else ""]
-
-        def show(piece: str) -> None:
-            # The prompt is echoed once generation has started, so a refused prompt prints nothing.
-            sys.stdout.write(echo.pop() + piece if echo else piece)
-            sys.stdout.flush()
-
-        result = generate(session, prompt, max_new_tokens=args.max_new_tokens, sampling=sampling_from(args),
-                          on_text=show)
-        print()
-        print(
-            f"prefill: {result.prompt_tokens} tokens, {result.prefill_tps:.1f} tok/s | "
-            f"decode: {len(result.tokens)} tokens, {result.decode_tps:.1f} tok/s | stop: {result.finish_reason}",
-            file=sys.stderr,
-        )
-        return 0
+        group = tensor_parallel.join_group()
+        with tensor_parallel.lost_ranks(group):
+            args.seed = tensor_parallel.shared_seed(group, args.seed)
+            return _run_prompt(args, load(args.model, tokenizer=args.tokenizer, group=group))
 
     return run
+
+
+def _run_prompt(args: argparse.Namespace, program) -> int:
+    from mlx_pte.interpreter.session import Session
+    from mlx_pte.interpreter.text import TextCodec
+    from mlx_pte.serving.generation import generate
+
+    session = Session(program, kind=args.cache or "single", capacity=args.capacity,
+                      kv_dtype=args.kv_dtype, max_seqs=args.max_seqs)
+    prompt = args.prompt
+    if args.chat:
+        codec = TextCodec(session.manifest, template_budget=args.template_budget)
+        prompt = codec.render_chat([{"role": "user", "content": prompt}])
+    echo = [args.prompt if not args.chat else ""]
+
+    def show(piece: str) -> None:
+        # The prompt is echoed once generation has started, so a refused prompt prints nothing.
+        sys.stdout.write(echo.pop() + piece if echo else piece)
+        sys.stdout.flush()
+
+    result = generate(session, prompt, max_new_tokens=args.max_new_tokens, sampling=sampling_from(args),
+                      on_text=show)
+    print()
+    print(
+        f"prefill: {result.prompt_tokens} tokens, {result.prefill_tps:.1f} tok/s | "
+        f"decode: {len(result.tokens)} tokens, {result.decode_tps:.1f} tok/s | stop: {result.finish_reason}",
+        file=sys.stderr,
+    )
+    return 0
 
 
 def run_prompts(args: argparse.Namespace) -> int:
@@ -356,13 +373,27 @@ def run_prompts(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from mlx_pte.serving.engine import open_engine
-    from mlx_pte.serving.prompts_file import run_prompts_file
+    from mlx_pte.serving.openai.prompts_file import run_prompts_file
 
-    engine = open_engine(args.model, args.cache or KIND_BATCHED_SEQUENCE, args.capacity, args.max_batch_tokens, args.max_seqs, args.kv_dtype,
-                         args.tokenizer, args.prompt_cache_tokens)
-    defaults = {"max_tokens": args.max_new_tokens, "temperature": args.temperature, "top_k": args.top_k,
-                "top_p": args.top_p, "seed": args.seed}
-    run_prompts_file(engine, Path(args.prompts), {k: v for k, v in defaults.items() if v is not None})
+    def engine_for(group):
+        engine = open_engine(args.model, args.cache or KIND_BATCHED_SEQUENCE, args.capacity, args.max_batch_tokens,
+                             args.max_seqs, args.kv_dtype, args.tokenizer, args.prompt_cache_tokens, group=group)
+        if engine.codec is not None:
+            engine.codec.template_budget = args.template_budget
+        return engine
+
+    def run_file(engine) -> None:
+        defaults = {"max_tokens": args.max_new_tokens, "temperature": args.temperature, "top_k": args.top_k,
+                    "top_p": args.top_p, "seed": args.seed}
+        run_prompts_file(engine, Path(args.prompts), {k: v for k, v in defaults.items() if v is not None})
+
+    group = tensor_parallel.join_group()
+    if group is not None and group.size() > 1:
+        from mlx_pte.serving.tp_serve import serve_ranks
+
+        with tensor_parallel.lost_ranks(group):
+            return serve_ranks(group, engine_for, run_file)
+    run_file(engine_for(None))
     return 0
 
 
@@ -372,18 +403,34 @@ def run_prompts(args: argparse.Namespace) -> int:
 @command("serve", "serve a .pte file over an OpenAI-compatible HTTP API (completions, chat, streaming)")
 def serve_command(parser: argparse.ArgumentParser) -> Handler:
     add_serve_arguments(parser)
+    tensor_parallel.add_tp_argument(parser)
 
     def run(args: argparse.Namespace) -> int:
         from pathlib import Path
 
-        from mlx_pte.serving.app import serve
+        from mlx_pte.serving.openai.app import serve
         from mlx_pte.serving.engine import open_engine
-        from mlx_pte.serving.request_body import BodyLimits
+        from mlx_pte.serving.openai.request_body import BodyLimits
 
-        engine = open_engine(args.model, args.cache, args.capacity, args.max_batch_tokens, args.max_seqs,
-                             args.kv_dtype, args.tokenizer, args.prompt_cache_tokens)
-        serve(engine, args.model_id or Path(args.model).stem, args.host, args.port,
-              BodyLimits(args.max_body_bytes, args.body_timeout), args.header_timeout, args.keep_alive)
+        if args.tp is not None and not tensor_parallel.launched():
+            return tensor_parallel.launch_local(args.tp, tensor_parallel.without_tp(args.argv))
+
+        def engine_for(group):
+            return open_engine(args.model, args.cache, args.capacity, args.max_batch_tokens, args.max_seqs,
+                               args.kv_dtype, args.tokenizer, args.prompt_cache_tokens, group=group)
+
+        def serve_engine(engine) -> None:
+            serve(engine, args.model_id or Path(args.model).stem, args.host, args.port,
+                  BodyLimits(args.max_body_bytes, args.body_timeout), args.header_timeout, args.keep_alive,
+                  args.template_budget)
+
+        group = tensor_parallel.join_group()
+        if group is not None and group.size() > 1:
+            from mlx_pte.serving.tp_serve import serve_ranks
+
+            with tensor_parallel.lost_ranks(group):
+                return serve_ranks(group, engine_for, serve_engine)
+        serve_engine(engine_for(None))
         return 0
 
     return run
@@ -400,34 +447,48 @@ def bench_command(parser: argparse.ArgumentParser) -> Handler:
     parser.add_argument("--repeats", type=positive_int, default=3, help="timed runs after one warm-up (default 3)")
     add_cache_arguments(parser, KINDS, "single", "single", "the model's max context")
     add_tokenizer_argument(parser)
+    tensor_parallel.add_tp_argument(parser)
 
     def run(args: argparse.Namespace) -> int:
-        import statistics
-
-        import numpy as np
-
-        from mlx_pte.interpreter.program import load
-        from mlx_pte.interpreter.session import Session
-        from mlx_pte.serving.generation import generate
-        import mlx.core as mx
-
-        program = load(args.model, tokenizer=args.tokenizer)
-        vocab = int(program.manifest["vocab_size"])
-        prompt = np.random.default_rng(0).integers(0, vocab, args.prompt_tokens).tolist()
-
-        def once(n_prompt: int, n_new: int):
-            session = Session(program, kind=args.cache, capacity=args.capacity, kv_dtype=args.kv_dtype)
-            return generate(session, prompt[:n_prompt], max_new_tokens=n_new, stop_on_eos=False)
-
-        once(min(8, len(prompt)), 4)
-        mx.reset_peak_memory()
-        runs = [once(len(prompt), args.generate) for _ in range(args.repeats)]
-        prefill = statistics.median(r.prefill_tps for r in runs)
-        decode = statistics.median(r.decode_tps for r in runs)
-        print(f"{args.model}: cache {args.cache}, prompt {args.prompt_tokens}, generate {args.generate}, "
-              f"median of {len(runs)}, device {mx.default_device()}")
-        print(f"  prefill {prefill:.1f} tok/s | decode {decode:.2f} tok/s | "
-              f"peak memory {mx.get_peak_memory() / 2**20:.1f} MiB")
-        return 0
+        if args.tp is not None and not tensor_parallel.launched():
+            return tensor_parallel.launch_local(args.tp, tensor_parallel.without_tp(args.argv))
+        group = tensor_parallel.join_group()
+        with tensor_parallel.lost_ranks(group):
+            return _bench(args, group)
 
     return run
+
+
+def _bench(args: argparse.Namespace, group) -> int:
+    import statistics
+
+    import numpy as np
+
+    from mlx_pte.interpreter.program import load
+    from mlx_pte.interpreter.session import Session
+    from mlx_pte.serving.generation import generate
+    import mlx.core as mx
+
+    program = load(args.model, tokenizer=args.tokenizer, group=group)
+    vocab = int(program.manifest["vocab_size"])
+    prompt = np.random.default_rng(0).integers(0, vocab, args.prompt_tokens).tolist()
+
+    def once(n_prompt: int, n_new: int):
+        session = Session(program, kind=args.cache, capacity=args.capacity, kv_dtype=args.kv_dtype)
+        return generate(session, prompt[:n_prompt], max_new_tokens=n_new, stop_on_eos=False)
+
+    once(min(8, len(prompt)), 4)
+    mx.reset_peak_memory()
+    runs = [once(len(prompt), args.generate) for _ in range(args.repeats)]
+    prefill = statistics.median(r.prefill_tps for r in runs)
+    decode = statistics.median(r.decode_tps for r in runs)
+    print(f"{args.model}: cache {args.cache}, prompt {args.prompt_tokens}, generate {args.generate}, "
+          f"median of {len(runs)}, device {mx.default_device()}")
+    print(f"  prefill {prefill:.1f} tok/s | decode {decode:.2f} tok/s | "
+          f"peak memory {mx.get_peak_memory() / 2**20:.1f} MiB")
+    if group is not None and group.size() > 1:
+        from mlx_pte.interpreter.shards import all_sum_bytes_per_token
+
+        print(f"  tensor parallel over {group.size()} ranks: each all-sums "
+              f"{all_sum_bytes_per_token(program.graph):,} bytes per token")
+    return 0

@@ -8,11 +8,11 @@ from mlx_pte.ir.lazy_exports import lazy_exports
 _EXPORTS = {
     "generate": ".generation",
     "GenerationResult": ".generation",
-    "SamplingParams": ".sampling",
+    "SamplingParams": ".sampling.params",
     "Engine": ".engine",
     "Request": ".engine",
     "open_engine": ".engine",
-    "Grammar": ".grammar",
+    "Grammar": ".sampling.grammar",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -10,12 +10,12 @@ import mlx.core as mx
 
 from mlx_pte.runtime.cache import CacheRefused
 
-from .device_sampling import TokenStream, draw
-from .sampling import SamplingParams
+from .sampling.device import TokenStream, draw
+from .sampling.params import SamplingParams
 from mlx_pte.interpreter.session import Session
 from mlx_pte.interpreter.text import TextCodec
 
-from .detokenizer import IncrementalDecoder
+from .text.detokenizer import IncrementalDecoder
 
 
 class GenerationError(ValueError):

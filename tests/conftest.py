@@ -9,7 +9,7 @@ import torch  # before anything loads OpenBLAS (see mlx_pte/runtime/mlx/blas.py)
 
 from mlx_pte.interpreter.program import load
 from mlx_pte.serving.generation import generate
-from mlx_pte.serving.sampling import SamplingParams
+from mlx_pte.serving.sampling.params import SamplingParams
 from tests.fixtures.exported import exported_pte
 from tests.fixtures.tiny_models import build_tiny_checkpoint, build_tokenizer
 

@@ -97,7 +97,7 @@ def test_a_jsonl_line_with_a_lone_surrogate_is_one_error_line(pte, tmp_path, cap
 
 
 def test_a_tiny_temperature_is_greedy_without_warnings(pte, capsys):
-    from mlx_pte.serving import sampling
+    from mlx_pte.serving.sampling import params as sampling
 
     if not hasattr(sampling, "GREEDY_TEMPERATURE"):
         pytest.skip("the tiny-temperature rule of SamplingParams (issue 12, item 2) is not merged here")

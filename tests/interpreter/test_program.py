@@ -96,14 +96,15 @@ def test_load_refuses_a_truncated_program(tmp_path):
 
 
 def _import_all(packages: str, check: str) -> None:
-    """In a fresh interpreter, import every module of ``packages`` then assert ``check``."""
+    """In a fresh interpreter, import every module of ``packages`` and of their subpackages,
+    then assert ``check``."""
     code = (
         "import importlib, pkgutil, sys\n"
         f"packages = [importlib.import_module(p) for p in {packages.split()!r}]\n"
         "for pkg in packages:\n"
-        "    for m in pkgutil.iter_modules(pkg.__path__):\n"
-        "        if m.name != '_generated':\n"
-        "            importlib.import_module(f'{pkg.__name__}.{m.name}')\n"
+        "    for m in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + '.'):\n"
+        "        if not m.name.endswith('._generated'):\n"
+        "            importlib.import_module(m.name)\n"
         f"{check}\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

@@ -15,7 +15,7 @@ from hypothesis import given, settings, strategies as st
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
 from mlx_pte.interpreter.text import TextCodec
-from mlx_pte.serving.detokenizer import IncrementalDecoder
+from mlx_pte.serving.text.detokenizer import IncrementalDecoder
 from tests.fixtures.tiny_models import build_tokenizer
 
 BUNDLED = Path(__file__).resolve().parents[2] / "models" / "default" / "tokenizer.json"

@@ -12,8 +12,8 @@ from scipy.stats import chisquare
 import mlx_pte.runtime.mlx.blas  # noqa: F401  (before mlx.core)
 import mlx.core as mx
 
-from mlx_pte.serving.device_sampling import TokenStream, draw
-from mlx_pte.serving.sampling import Sampler, SamplingParams
+from mlx_pte.serving.sampling.device import TokenStream, draw
+from mlx_pte.serving.sampling.params import Sampler, SamplingParams
 
 ROW = np.array([2.0, 1.5, 1.4, 0.3, 0.0, -0.2, -0.7, -1.0, -1.6, -2.5, -3.0, -4.0])
 FILTERS = [

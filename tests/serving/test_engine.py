@@ -18,7 +18,7 @@ from mlx_pte.serving.engine import (
     RequestRejected,
     Status,
 )
-from mlx_pte.serving.sampling import SamplingParams
+from mlx_pte.serving.sampling.params import SamplingParams
 from mlx_pte.interpreter.text import TextCodec
 from mlx_pte.ir.manifest import Manifest
 

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from mlx_pte.serving.engine import Engine, Request, Status
-from mlx_pte.serving import device_sampling
-from mlx_pte.serving.sampling import GREEDY_TEMPERATURE, SamplingParams
+from mlx_pte.serving.sampling import device as device_sampling
+from mlx_pte.serving.sampling.params import GREEDY_TEMPERATURE, SamplingParams
 
 GOOD = ([17, 18, 19], [40, 41, 42, 43, 44], list(range(100, 140)))
 POISON = [7, 300, 9, 301]
@@ -93,7 +93,7 @@ def test_a_failure_after_the_forward_fails_only_its_request(engine, oracle, monk
         return real_draw(logits, streams, rows)
 
     if where == "stop check":
-        from mlx_pte.serving import stops
+        from mlx_pte.serving.text import stops
 
         real_push = stops.StopText.push
 

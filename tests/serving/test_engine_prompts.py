@@ -8,8 +8,8 @@ import re
 import pytest
 
 from mlx_pte.serving.engine import Engine
-from mlx_pte.serving.prompts_file import PromptsFileError, run_prompts_file
-from mlx_pte.serving.sampling import SamplingParams
+from mlx_pte.serving.openai.prompts_file import PromptsFileError, run_prompts_file
+from mlx_pte.serving.sampling.params import SamplingParams
 
 
 GREEDY = {"temperature": 0, "max_tokens": 6, "ignore_eos": True}

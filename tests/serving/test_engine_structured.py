@@ -15,9 +15,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mlx_pte.serving.engine import Engine, Request
-from mlx_pte.serving.grammar import Grammar, TokenVocabulary, masks
-from mlx_pte.serving.logprobs import TokenLogprob
-from mlx_pte.serving.sampling import SamplingParams
+from mlx_pte.serving.sampling.grammar import Grammar, TokenVocabulary, masks
+from mlx_pte.serving.sampling.logprobs import TokenLogprob
+from mlx_pte.serving.sampling.params import SamplingParams
 from tests.fixtures.json_schemas import SCHEMAS, short_schemas
 from tests.fixtures.reference_logprobs import hf_logprobs, hf_model  # noqa: F401  (a fixture)
 from tests.fixtures.tiny_models import EOS_ID, VOCAB_SIZE

@@ -7,7 +7,7 @@ import pytest
 from mlx_pte.export.hf_export import export_hf
 from mlx_pte import Session, generate, load
 from mlx_pte.serving.generation import GenerationError
-from mlx_pte.serving.sampling import SamplingParams
+from mlx_pte.serving.sampling.params import SamplingParams
 
 PROMPT = [5, 17, 99, 3, 250, 42, 7]
 

@@ -19,8 +19,8 @@ from hypothesis import strategies as st
 
 import mlx.core as mx
 
-from mlx_pte.serving.grammar import Grammar, GrammarError, TokenVocabulary, json_schema_rule, mask_words, masks
-from mlx_pte.serving.token_masks import apply_masks
+from mlx_pte.serving.sampling.grammar import Grammar, GrammarError, TokenVocabulary, json_schema_rule, mask_words, masks
+from mlx_pte.serving.sampling.token_masks import apply_masks
 from tests.fixtures.json_schemas import short_schemas
 from tests.fixtures.tiny_models import EOS_ID, VOCAB_SIZE
 

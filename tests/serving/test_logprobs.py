@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 import mlx.core as mx
 
-from mlx_pte.serving.logprobs import logprob_arrays, read
+from mlx_pte.serving.sampling.logprobs import logprob_arrays, read
 
 
 def _log_softmax(rows: np.ndarray) -> np.ndarray:

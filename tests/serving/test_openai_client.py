@@ -17,7 +17,7 @@ import pytest
 
 from mlx_pte.interpreter.text import TextCodec
 from mlx_pte.ir.manifest import Manifest
-from mlx_pte.serving.app import create_app
+from mlx_pte.serving.openai.app import create_app
 from mlx_pte.serving.engine import Engine
 from tests.fixtures.json_schemas import SCHEMAS
 from tests.fixtures.reference_logprobs import hf_logprobs, hf_model  # noqa: F401  (a fixture)

@@ -5,16 +5,16 @@ import math
 
 import pytest
 
-from mlx_pte.serving.grammar import Grammar
-from mlx_pte.serving.logprobs import TokenLogprob
-from mlx_pte.serving.output_options import (
+from mlx_pte.serving.sampling.grammar import Grammar
+from mlx_pte.serving.sampling.logprobs import TokenLogprob
+from mlx_pte.serving.openai.output_options import (
     FLOOR_LOGPROB,
     chat_logprobs,
     completion_logprobs,
     parse_logprobs,
     parse_response_format,
 )
-from mlx_pte.serving.request_fields import FieldError
+from mlx_pte.serving.openai.request_fields import FieldError
 
 
 def test_response_formats():

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from mlx_pte.serving.prompt_store import PromptStore
+from mlx_pte.serving.engine.prompt_store import PromptStore
 
 TOKENS = st.lists(st.integers(0, 3), min_size=0, max_size=12)  # a small alphabet: many shared prefixes
 

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from mlx_pte.serving.sampling import GREEDY_TEMPERATURE, MAX_SEED, Sampler, SamplingError, SamplingParams
+from mlx_pte.serving.sampling.params import GREEDY_TEMPERATURE, MAX_SEED, Sampler, SamplingError, SamplingParams
 
 
 def brute_force(row, temperature, top_k, top_p):

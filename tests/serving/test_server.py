@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from mlx_pte.serving.engine import Engine
-from mlx_pte.serving.app import create_app
+from mlx_pte.serving.openai.app import create_app
 from mlx_pte.interpreter.text import TextCodec
 from mlx_pte.ir.manifest import Manifest
 from tests.serving.live_server import serving

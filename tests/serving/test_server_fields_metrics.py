@@ -14,10 +14,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
-from mlx_pte.serving.app import create_app
+from mlx_pte.serving.openai.app import create_app
 from mlx_pte.serving.engine import Engine, EngineLoad, EngineStats
-from mlx_pte.serving.metrics import ServerMetrics
-from mlx_pte.serving.request_fields import CHAT_FIELDS, COMPLETION_FIELDS, NO_OP_VALUES
+from mlx_pte.serving.openai.metrics import ServerMetrics
+from mlx_pte.serving.openai.request_fields import CHAT_FIELDS, COMPLETION_FIELDS, NO_OP_VALUES
 from tests.fixtures.tiny_models import CHAT_TEMPLATE
 from tests.serving.live_server import serving
 

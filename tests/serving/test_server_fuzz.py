@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from mlx_pte.serving.engine import Engine
-from mlx_pte.serving.app import create_app
+from mlx_pte.serving.openai.app import create_app
 from tests.serving.live_server import serving
 
 TIMEOUT = 60.0

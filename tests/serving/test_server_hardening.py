@@ -18,10 +18,10 @@ import httpx
 import pytest
 
 from mlx_pte.serving.engine import Engine
-from mlx_pte.serving.request_body import BodyLimits
-from mlx_pte.serving import device_sampling
-from mlx_pte.serving.app import create_app
-from mlx_pte.serving.slow_clients import header_timeout_protocol
+from mlx_pte.serving.openai.request_body import BodyLimits
+from mlx_pte.serving.sampling import device as device_sampling
+from mlx_pte.serving.openai.app import create_app
+from mlx_pte.serving.openai.slow_clients import header_timeout_protocol
 from tests.serving.live_server import serving
 
 TIMEOUT = 60.0

@@ -7,7 +7,7 @@ from openai import OpenAI
 
 from mlx_pte.interpreter.text import TextCodec
 from mlx_pte.ir.manifest import Manifest
-from mlx_pte.serving.app import create_app
+from mlx_pte.serving.openai.app import create_app
 from mlx_pte.serving.engine import Engine
 from tests.serving.live_server import serving
 

@@ -21,12 +21,12 @@ from openai.lib.streaming.chat import ChatCompletionStreamState
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from mlx_pte.interpreter.program import Program, load
-from mlx_pte.serving.app import create_app
+from mlx_pte.serving.openai.app import create_app
 from mlx_pte.serving.engine import Completion, Engine, RequestStats, SampleResult
 from mlx_pte.serving.generation import generate
-from mlx_pte.serving.openai_response import Reply
-from mlx_pte.serving.sampling import SamplingParams
-from mlx_pte.serving.tool_request import parse_tool_use
+from mlx_pte.serving.openai.response import Reply
+from mlx_pte.serving.sampling.params import SamplingParams
+from mlx_pte.serving.openai.tool_request import parse_tool_use
 from tests.fixtures.json_schemas import short_schemas
 from tests.fixtures.long_context import long_context_pte
 from tests.fixtures.tool_templates import HERMES_TEMPLATE, LLAMA3_TEMPLATE, TOOL_CONVERSATION, TOOLS

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from mlx_pte.serving.stops import MAX_STOP_CHARS, MAX_STOPS, StopStringError, StopStrings, StopText
+from mlx_pte.serving.text.stops import MAX_STOP_CHARS, MAX_STOPS, StopStringError, StopStrings, StopText
 
 ALPHABET = "aab\n"  # few letters, so stops overlap, repeat and straddle pieces often
 

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from mlx_pte.serving.chat_messages import template_messages
-from mlx_pte.serving.openai_request import ApiError, tool_use
-from mlx_pte.serving.request_fields import FieldError
-from mlx_pte.serving.tool_calls import (
+from mlx_pte.serving.openai.chat_messages import template_messages
+from mlx_pte.serving.openai.request import ApiError, tool_use
+from mlx_pte.serving.openai.request_fields import FieldError
+from mlx_pte.serving.openai.tool_calls import (
     HERMES,
     LLAMA3_JSON,
     ToolCall,
@@ -24,9 +24,9 @@ from mlx_pte.serving.tool_calls import (
     parse_reply,
     template_format,
 )
-from mlx_pte.serving.grammar import GrammarError, TokenVocabulary, mask_words
-from mlx_pte.serving.tool_grammar import tool_call_grammar
-from mlx_pte.serving.tool_request import parse_tool_use
+from mlx_pte.serving.sampling.grammar import GrammarError, TokenVocabulary, mask_words
+from mlx_pte.serving.openai.tool_grammar import tool_call_grammar
+from mlx_pte.serving.openai.tool_request import parse_tool_use
 from tests.fixtures.tiny_models import CHAT_TEMPLATE as TINY_TEMPLATE
 from tests.fixtures.tool_templates import HERMES_TEMPLATE, LLAMA3_TEMPLATE, TOOL_CONVERSATION, TOOLS
 from tests.interpreter.test_chat_template import codec_for

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 from mlx_pte.cli import main
 from mlx_pte.serving.generation import generate
 from mlx_pte.interpreter.program import load
-from mlx_pte.serving.app import create_app
+from mlx_pte.serving.openai.app import create_app
 from mlx_pte.serving.engine import open_engine
 from mlx_pte.interpreter.text import TokenizerMissing
 from tests.interpreter.test_cli_run import one_error_line

@@ -13,11 +13,11 @@ import math
 import re
 from typing import TYPE_CHECKING, Any, Mapping, Optional, Protocol, Sequence
 
-from .grammar import Grammar, GrammarError
+from ..sampling.grammar import Grammar, GrammarError
 from .request_fields import FieldError
 
 if TYPE_CHECKING:
-    from .logprobs import TokenLogprob
+    from ..sampling.logprobs import TokenLogprob
 
 # OpenAI's bounds: chat's top_logprobs, and legacy completions' logprobs.
 MAX_TOP_LOGPROBS = 20

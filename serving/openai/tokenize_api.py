@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .engine import Engine
-from .openai_request import ApiError, chat_text, checked_body, tool_use
+from ..engine import Engine
+from .request import ApiError, chat_text, checked_body, tool_use
 from .request_fields import DETOKENIZE_FIELDS, TOKENIZE_FIELDS
 
 

@@ -22,7 +22,7 @@ import numpy as np
 import mlx_pte.runtime.mlx.blas  # noqa: F401  (before mlx.core: fast BLAS)
 import mlx.core as mx
 
-from .sampling import SamplingParams
+from .params import SamplingParams
 
 _split_rows = mx.vmap(lambda key: mx.random.split(key))
 

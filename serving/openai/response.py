@@ -7,7 +7,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
-from .engine import Completion, SampleResult
+from ..engine import Completion, SampleResult
 from .output_options import TokenBytes, chat_logprobs, completion_logprobs
 from .tool_calls import ToolCall, ToolCallStream, parse_reply
 from .tool_request import ToolUse

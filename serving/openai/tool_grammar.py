@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from typing import Optional
 
-from .grammar import Grammar, GrammarError, json_schema_rule
+from ..sampling.grammar import Grammar, GrammarError, json_schema_rule
 from .request_fields import FieldError
 from .tool_calls import HERMES, HERMES_CLOSE, HERMES_OPEN
 from .tool_request import ToolUse

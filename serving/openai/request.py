@@ -12,18 +12,18 @@ from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
 from mlx_pte.interpreter.text import TokenizerMissing
 
 from .chat_messages import template_messages
-from .engine import Engine, EngineError, Request
+from ..engine import Engine, EngineError, Request
 from .output_options import parse_logprobs, parse_response_format
 from .request_body import BodyError, check_value
 from .request_fields import CHAT_FIELDS, COMPLETION_FIELDS, FieldError, check_fields
-from .sampling import SamplingError, SamplingParams
-from .stops import StopStringError, StopStrings
+from ..sampling.params import SamplingError, SamplingParams
+from ..text.stops import StopStringError, StopStrings
 from .tool_calls import call_marker
 from .tool_grammar import tool_call_grammar
 from .tool_request import ToolUse, parse_tool_use
 
 if TYPE_CHECKING:
-    from .grammar import Grammar
+    from ..sampling.grammar import Grammar
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions
 DEFAULT_CHAT_TOKENS = 256

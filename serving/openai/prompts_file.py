@@ -12,8 +12,8 @@ import sys
 from pathlib import Path
 from typing import Any, Mapping, Optional, TextIO
 
-from .engine import Engine, EngineError, EngineStats, RequestHandle
-from .openai_request import ApiError, parse_request
+from ..engine import Engine, EngineError, EngineStats, RequestHandle
+from .request import ApiError, parse_request
 
 
 class PromptsFileError(ValueError):

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Iterable, Optional
 
-from .engine import Engine, RequestHandle
+from ..engine import Engine, RequestHandle
 
 # Seconds from submission to the first generated token: interactive through batch.
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)

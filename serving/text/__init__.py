@@ -1,0 +1,2 @@
+"""Generated tokens back to text: streaming detokenization (``detokenizer``) and stop
+strings (``stops``)."""
