@@ -5,8 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping
 
-import mlx_pte.runtime.mlx.blas  # noqa: F401  (load an optimized BLAS before mlx.core)
-import mlx.core as mx
+from mlx_pte.runtime.mlx.bootstrap import mx
 
 from mlx_pte.ir.graph import Graph, TensorType
 from mlx_pte.ir.payload import ITEMSIZE
