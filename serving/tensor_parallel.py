@@ -58,8 +58,7 @@ def join_group() -> Any:
     a rank other than 0, stdout goes to /dev/null from here on."""
     if not launched():
         return None
-    import mlx_pte.runtime.mlx.blas  # noqa: F401  (load an optimized BLAS before mlx.core)
-    import mlx.core as mx
+    from mlx_pte.runtime.mlx.bootstrap import mx
 
     try:
         group = mx.distributed.init(strict=True)
@@ -150,7 +149,7 @@ def _supervise(procs: list[subprocess.Popen]) -> int:
     failed: Optional[tuple[int, int]] = None
     deadline: Optional[float] = None
     try:
-        while any(p.poll() is None for p in procs):
+        while [p.poll() for p in procs].count(None):  # every rank polled, each time
             if failed is None:
                 failed = next(((r, p.returncode) for r, p in enumerate(procs) if p.returncode not in (None, 0)), None)
                 if failed is not None:

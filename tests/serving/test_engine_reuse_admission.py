@@ -52,7 +52,7 @@ def admission_machine(program, oracle, kind: str):
             self.handles: list = []
             self.done: list = []  # (prompt, tokens) of finished requests, to continue
             self.decisions = 0
-            real_admit = self.engine._admit
+            real_admit = self.engine.scheduler._admit
             machine = self
 
             def admit(job, build):
@@ -65,11 +65,11 @@ def admission_machine(program, oracle, kind: str):
                 machine.decisions += 1
                 return admitted
 
-            self.engine._admit = admit
+            self.engine.scheduler._admit = admit
 
         def cold_would_admit(self, job) -> bool:
             engine = self.engine
-            running = [(j.prompt_len, len(j.samples), j.handle.request.max_tokens) for j in engine._active]
+            running = [(j.prompt_len, len(j.samples), j.handle.request.max_tokens) for j in engine.scheduler.active]
             slots = sum(n for _, n, _ in running) + len(job.samples)
             units = sum(worst_case_units(kind, engine.capacity, engine.max_context, *r) for r in running)
             units += worst_case_units(kind, engine.capacity, engine.max_context, job.prompt_len,
@@ -119,14 +119,14 @@ def admission_machine(program, oracle, kind: str):
                 return
             check_store(engine)
             reserved = sum(worst_case_units(kind, engine.capacity, engine.max_context, j.prompt_len,
-                                            len(j.samples), j.handle.request.max_tokens) for j in engine._active)
+                                            len(j.samples), j.handle.request.max_tokens) for j in engine.scheduler.active)
             assert reserved + engine.prompt_store.tokens <= engine.capacity
-            running = sum(len(j.samples) for j in engine._active)
+            running = sum(len(j.samples) for j in engine.scheduler.active)
             if engine.max_seqs is not None:
                 assert running + len(engine.prompt_store) <= engine.max_seqs
             in_use = len(engine.prompt_store) + sum(
-                1 for j in engine._active for s in j.samples if s.seq_id is not None) + sum(
-                len(j.finished) for j in engine._active)
+                1 for j in engine.scheduler.active for s in j.samples if s.seq_id is not None) + sum(
+                len(j.finished) for j in engine.scheduler.active)
             assert len(engine.cache.live_seqs()) == in_use
 
         def teardown(self):

@@ -1,0 +1,390 @@
+"""Which tokens the next forward carries: queues, limits, admission, chunking, prefix reuse.
+
+Pure Python over the cache's control face (``runtime.cache.CacheControl``): it plans on
+any backend, the neutral byte-less one included, and never touches a tensor.
+
+Each plan is ONE step: the pending token of every decoding sample first, then prefill
+chunks of admitted requests in arrival order, then the first chunk of each newly admitted
+request, up to the token budget. Requests are admitted strictly first-in first-out.
+
+Admission reserves each request's worst-case footprint (every sample grown to its final
+length, ``cache.footprint``) against the capacity, and one decode slot per sample against
+the token budget. So a running sample always has room for its next token and a place in
+the next step, and nothing is ever preempted; the cache's own ``check_step`` is the final
+gate for every admission. A request that could never fit is refused when submitted
+(``limits``), one refused by an empty cache fails with the reason, and one that waits
+carries the reason on its handle (``waiting_reason``).
+
+With a prompt store, a finished request's sequences stay in the cache keyed by the tokens
+they hold; a later prompt sharing a prefix forks one (``seq_clone``) and prefills only the
+rest. Retained sequences use only room no admitted request has reserved: admission evicts
+them, least recently used first, before a request would have to wait, so whether and when
+a request starts is decided as without the store.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+from mlx_pte.runtime.cache import CacheControl, Step, Verdict
+
+from .jobs import Draw, Job, Sample
+from .prompt_store import PromptStore, Retained
+from .requests import EngineStats, RequestHandle, RequestRejected, SequenceState, Status
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The engine's fixed limits: tokens per step, cache capacity, context, sequences."""
+
+    token_budget: int
+    capacity: int
+    max_context: int
+    max_seqs: Optional[int]
+
+
+@dataclass
+class StepPlan:
+    """One step's tokens: first one per decoding sample, drawn by the previous forward
+    (its index there in ``feeds``), then prompt tokens (``prompt``)."""
+
+    feeds: list[int] = field(default_factory=list)
+    prompt: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    seq_ids: list[int] = field(default_factory=list)
+    # (token row, job, sample) for each row whose logits are sampled; sample None = the
+    # row ending a prompt (its job's samples draw their first tokens from it).
+    rows: list[tuple[int, Job, Optional[Sample]]] = field(default_factory=list)
+    chunks: list[tuple[Job, int]] = field(default_factory=list)  # prompt tokens per job
+    jobs: dict[int, Job] = field(default_factory=dict)  # every job in the step, by id
+    feed_owners: list[int] = field(default_factory=list)  # each feed's job id
+    prompt_owners: list[int] = field(default_factory=list)  # each prompt token's job id
+
+    @property
+    def size(self) -> int:
+        return len(self.feeds) + len(self.prompt)
+
+    @property
+    def prefill_tokens(self) -> int:
+        return sum(count for _, count in self.chunks)
+
+    def step(self) -> Step:
+        return Step(tuple(self.seq_ids), tuple(self.positions))
+
+    def draws(self) -> tuple[list[Draw], list[int]]:
+        """Every token the step draws, and each one's index into ``rows``: one per
+        decoding sample, and one per sample of each prompt the step completes."""
+        draws: list[Draw] = []
+        draw_rows: list[int] = []
+        for k, (_, job, sample) in enumerate(self.rows):
+            for s in job.samples if sample is None else [sample]:
+                draws.append(Draw(job, s, sample is None))
+                draw_rows.append(k)
+        return draws, draw_rows
+
+    def add_decode(self, job: Job, sample: Sample) -> None:
+        self.rows.append((self.size, job, sample))
+        self.feeds.append(sample.pending)  # type: ignore[arg-type]
+        self.feed_owners.append(job.handle.id)
+        self.positions.append(sample.length)
+        self.seq_ids.append(sample.seq_id)  # type: ignore[arg-type]
+        self.jobs[job.handle.id] = job
+
+    def add_prompt(self, job: Job, seq_id: int, tokens: Sequence[int], start: int) -> None:
+        self.prompt.extend(tokens)
+        self.positions.extend(range(start, start + len(tokens)))
+        self.seq_ids.extend([seq_id] * len(tokens))
+        self.prompt_owners.extend([job.handle.id] * len(tokens))
+        self.jobs[job.handle.id] = job
+
+    def only(self, job: Job) -> "StepPlan":
+        """The part of this step that belongs to ``job`` (a valid step on its own: a
+        subset of each of its sequences' contiguous runs); its feeds still index the
+        previous forward's draws."""
+        own = job.handle.id
+        feeds = [i for i, owner in enumerate(self.feed_owners) if owner == own]
+        prompt = [i for i, owner in enumerate(self.prompt_owners) if owner == own]
+        keep = feeds + [len(self.feeds) + i for i in prompt]  # token indices, in token order
+        row_of = {old: new for new, old in enumerate(keep)}
+        return StepPlan(
+            feeds=[self.feeds[i] for i in feeds],
+            prompt=[self.prompt[i] for i in prompt],
+            positions=[self.positions[i] for i in keep],
+            seq_ids=[self.seq_ids[i] for i in keep],
+            rows=[(row_of[r], j, sample) for r, j, sample in self.rows if j is job],
+            chunks=[(j, count) for j, count in self.chunks if j is job],
+            jobs={own: job},
+            feed_owners=[own] * len(feeds),
+            prompt_owners=[own] * len(prompt),
+        )
+
+    def absorb(self, part: "StepPlan") -> None:
+        """Count ``part`` in this plan (for a flight's accounting: sizes, chunks, jobs)."""
+        self.feeds += part.feeds
+        self.prompt += part.prompt
+        self.chunks += part.chunks
+        self.jobs.update(part.jobs)
+
+    def with_prompt_chunk(self, seq_id: int, start: int, count: int) -> Step:
+        """This step plus ``count`` prompt tokens of a newly admitted sequence from ``start``."""
+        return Step(tuple(self.seq_ids) + (seq_id,) * count,
+                    tuple(self.positions) + tuple(range(start, start + count)))
+
+
+@dataclass
+class Plan:
+    """What the scheduler decided for one iteration: the step (empty when there is
+    nothing to run), and the requests refused for good, each with the reason."""
+
+    step: StepPlan
+    refused: list[tuple[Job, str]] = field(default_factory=list)
+
+
+class Scheduler:
+    def __init__(self, cache: CacheControl, limits: Limits, prompt_store: PromptStore,
+                 stats: Optional[EngineStats] = None) -> None:
+        self.cache = cache
+        self.limits = limits
+        self.prompt_store = prompt_store
+        self.waiting: deque[Job] = deque()
+        self.active: list[Job] = []  # admitted, in admission order
+        self.reserved = 0  # capacity units reserved by admitted jobs
+        self.slots = 0  # decode slots (samples) reserved by admitted jobs
+        self.stats = stats if stats is not None else EngineStats()  # its prefix reuse totals
+
+    # -- submitting -----------------------------------------------------------------------
+    def sizes(self, prompt_len: int, n: int, max_tokens: int) -> tuple[int, int]:
+        """The most positions each of ``n`` samples may hold, and the capacity units the
+        request reserves when admitted.
+
+        Raises:
+            RequestRejected: it could never run within these limits (the reason says why).
+        """
+        lim = self.limits
+        if n > lim.token_budget:
+            raise RequestRejected(
+                f"{n} samples need {n} decode tokens per step, but a step carries at most "
+                f"{lim.token_budget}; lower n or raise max_batch_tokens"
+            )
+        if lim.max_seqs is not None and n > lim.max_seqs:
+            raise RequestRejected(f"{n} samples need {n} sequences, the cache allows {lim.max_seqs}; lower n")
+        # Each sample's fair share of the cache, so n samples never outgrow it together.
+        cap = min(lim.max_context, self.cache.sample_share(prompt_len, n))
+        if prompt_len + 1 > cap:
+            raise RequestRejected(
+                f"the prompt has {prompt_len} tokens, but each of its {n} sample(s) may hold at most "
+                f"{cap} positions (cache capacity {lim.capacity}, model context {lim.max_context}); "
+                "shorten the prompt, lower n or raise the capacity"
+            )
+        # The last sampled token is never fed, so a sample holds at most prompt + max - 1.
+        final_len = min(prompt_len + max_tokens - 1, cap)
+        return cap, self.cache.footprint(prompt_len, n, final_len)
+
+    def enqueue(self, jobs: Sequence[Job]) -> None:
+        self.waiting.extend(jobs)
+
+    # -- planning -------------------------------------------------------------------------
+    def plan(self) -> Plan:
+        """The next step: decodes, continuing prefills, then admissions while room allows."""
+        budget = self.limits.token_budget
+        plan = Plan(StepPlan())
+        step = plan.step
+        for job in self.active:
+            for sample in job.live:
+                if sample.pending is not None:
+                    step.add_decode(job, sample)
+        for job in self.active:
+            if job.fed < job.prompt_len and step.size < budget:
+                self._add_chunk(step, job, job.samples[0].seq_id)  # type: ignore[arg-type]
+        while self.waiting and step.size < budget:
+            head = self.waiting[0]
+            if self._admit(head, step):
+                self.waiting.popleft()
+                continue
+            if self.active:
+                break
+            # Refused by an empty cache: it never will be admitted.
+            self.waiting.popleft()
+            plan.refused.append((head, f"the request cannot start: {head.handle.waiting_reason}"))
+        return plan
+
+    def _chunk_len(self, job: Job, step: StepPlan) -> int:
+        return min(job.prompt_len - job.fed, self.limits.token_budget - step.size)
+
+    def _add_chunk(self, step: StepPlan, job: Job, seq_id: int) -> None:
+        count = self._chunk_len(job, step)
+        step.add_prompt(job, seq_id, job.ids[job.fed : job.fed + count], job.fed)
+        if job.fed + count == job.prompt_len:
+            step.rows.append((step.size - 1, job, None))
+        step.chunks.append((job, count))
+
+    def _admit(self, job: Job, step: StepPlan) -> bool:
+        """Admit the head of the queue into ``step`` if room allows; else say why it waits."""
+        reason = self._room_for(job)
+        if reason is None:
+            seq_id = self._open_sequence(job)
+            verdict = self._check_first_chunk(step, job, seq_id)
+            if not verdict and (job.fed or len(self.prompt_store)):
+                # Retained prompts never cost a request its start: retry as without them.
+                self.cache.seq_rm(seq_id)
+                self.prompt_store.clear()
+                job.fed = 0
+                seq_id = self.cache.seq_new()
+                verdict = self._check_first_chunk(step, job, seq_id)
+            if verdict:
+                self._start(job, seq_id)
+                self._add_chunk(step, job, seq_id)
+                return True
+            self.cache.seq_rm(seq_id)
+            job.fed = 0
+            reason = verdict.reason
+        job.handle.waiting_reason = reason
+        return False
+
+    def _room_for(self, job: Job) -> Optional[str]:
+        """Why the reservations leave no room for ``job`` now; None when they do."""
+        lim, n = self.limits, len(job.samples)
+        if self.slots + n > lim.token_budget:
+            return (f"all {lim.token_budget} decode slots of a step are taken ({self.slots} samples "
+                    f"running); it starts when some finish")
+        if lim.max_seqs is not None and self.slots + n > lim.max_seqs:
+            return f"all {lim.max_seqs} cache sequences are taken; it starts when some finish"
+        if self.reserved + job.footprint > lim.capacity:
+            return (f"it may grow to {job.footprint} of the cache's {lim.capacity} units, and running "
+                    f"requests have reserved {self.reserved}; it starts when some finish")
+        return None
+
+    def _start(self, job: Job, seq_id: int) -> None:
+        job.samples[0].seq_id = seq_id
+        job.samples[0].length = job.fed
+        self.active.append(job)
+        self.reserved += job.footprint
+        self.slots += len(job.samples)
+        handle = job.handle
+        handle.status = Status.PREFILL
+        handle.waiting_reason = None
+        handle.stats.admitted = time.perf_counter()
+        if job.fed:
+            handle.stats.cached_tokens = job.fed
+            self.stats.prefix_hits += 1
+            self.stats.cached_tokens += job.fed
+
+    def _check_first_chunk(self, step: StepPlan, job: Job, seq_id: int) -> Verdict:
+        return self.cache.check_step(step.with_prompt_chunk(seq_id, job.fed, self._chunk_len(job, step)))
+
+    def _open_sequence(self, job: Job) -> int:
+        """The sequence ``job``'s prompt starts in: a fork of the retained sequence sharing
+        its longest prefix, where the cache can fork (``job.fed`` set to the shared
+        length), else a new one. Retained sequences are evicted first as far as the
+        request's reservation needs; the one it forks from goes last."""
+        matches = self.prompt_store.matches(job.ids)
+        self._shrink_store(job.footprint, len(job.samples), keep=matches[0].entry if matches else None)
+        seq_id = None
+        for match in matches:
+            if match.entry in self.prompt_store and self.cache.can_clone(match.entry.seq_id, match.length):
+                seq_id = self.cache.seq_clone(match.entry.seq_id, match.length)
+                self.prompt_store.touch(match.entry)
+                job.fed = match.length
+                break
+        self._shrink_store(job.footprint, len(job.samples))
+        return seq_id if seq_id is not None else self.cache.seq_new()
+
+    def _shrink_store(self, units: int = 0, seqs: int = 0, keep: Optional[Retained] = None) -> None:
+        """Evict retained sequences (least recently used first, ``keep`` spared) until they
+        fit beside the running requests' reservations plus ``units`` capacity units and
+        ``seqs`` sequences more."""
+        store, lim = self.prompt_store, self.limits
+        while (self.reserved + units + store.tokens > lim.capacity
+               or (lim.max_seqs is not None and self.slots + seqs + len(store) > lim.max_seqs)):
+            if not store.evict_lru(keep):
+                return
+
+    # -- accounting -----------------------------------------------------------------------
+    def advance(self, step: StepPlan, draws: Sequence[Draw], first_draw: int = 0) -> None:
+        """The host's account of a dispatched step: positions held, forks, draws (the
+        ``i``-th of ``draws`` is draw ``first_draw + i`` of the forward's ids)."""
+        for job, count in step.chunks:
+            job.fed += count
+            job.samples[0].length = job.fed
+        for _, job, sample in step.rows:
+            if sample is not None:
+                sample.length += 1
+            else:  # the prompt is in: one sequence per extra sample
+                first = job.samples[0]
+                for fork in job.samples[1:]:
+                    fork.seq_id = self.cache.seq_clone(first.seq_id, job.prompt_len)  # type: ignore[arg-type]
+                    fork.length = job.prompt_len
+        for i, d in enumerate(draws):
+            sample = d.sample
+            sample.drawn += 1
+            # Fed next step unless it is the last token or its sequence is full.
+            more = sample.drawn < d.job.max_tokens and sample.length + 1 <= d.job.cap
+            sample.pending = first_draw + i if more else None
+
+    def retire(self, job: Job, sample: Sample, retain: bool) -> None:
+        """A finished sample's sequence: cut back to what the caller sees, then kept for
+        the prompt store when the job ends (``retain``) or removed now."""
+        sample.pending = None
+        if sample.seq_id is None:
+            return
+        kept = min(job.prompt_len + len(sample.tokens), sample.length)
+        if kept < sample.length and self.cache.can_rewind(sample.seq_id, kept):
+            self.cache.rewind(sample.seq_id, kept)
+            sample.length = kept
+        if retain and self.prompt_store.budget and sample.length == kept:
+            job.finished.append((sample.seq_id, job.ids + sample.tokens[: kept - job.prompt_len]))
+        else:
+            self.cache.seq_rm(sample.seq_id)
+        sample.seq_id = None
+
+    def release(self, job: Job, retain: bool = False) -> None:
+        """Give back what ``job`` reserved; its finished sequences go to the prompt store
+        (``retain``) or are removed."""
+        if job in self.active:
+            self.active.remove(job)
+            self.reserved -= job.footprint
+            self.slots -= len(job.samples)
+        for seq_id, tokens in job.finished:
+            if retain:
+                self.prompt_store.add(seq_id, tokens)
+            else:
+                self.cache.seq_rm(seq_id)
+        job.finished.clear()
+        self._shrink_store()
+
+    def drop(self, job: Job) -> None:
+        """A failed job out of the queue and the cache, whatever state it was in."""
+        for sample in job.samples:
+            if sample.seq_id is not None:  # still in the cache, even if it failed while finishing
+                self.cache.seq_rm(sample.seq_id)
+                sample.seq_id = None
+            sample.finish_reason = sample.finish_reason or "error"
+        if job in self.waiting:
+            self.waiting.remove(job)
+        self.release(job)
+
+    def take_cancelled(self) -> list[Job]:
+        """Queued jobs whose caller cancelled them, out of the queue."""
+        gone = [j for j in self.waiting if j.handle._cancelled.is_set()]
+        for job in gone:
+            self.waiting.remove(job)
+        return gone
+
+    # -- views ----------------------------------------------------------------------------
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.active)
+
+    def jobs(self) -> list[Job]:
+        return list(self.waiting) + list(self.active)
+
+    def sequences(self) -> list[SequenceState]:
+        """Every live cache sequence with the length the engine accounts to it."""
+        return [SequenceState(job.handle.id, s.index, s.seq_id, s.length, s.drawn - len(s.tokens))
+                for job in self.active for s in job.samples
+                if s.seq_id is not None and s.finish_reason is None]
+
+    def waiting_handles(self) -> list[RequestHandle]:
+        return [job.handle for job in self.waiting]
