@@ -13,8 +13,7 @@ from typing import Any, Mapping, Optional, Sequence, Union
 
 import numpy as np
 
-import mlx_pte.runtime.mlx.blas  # noqa: F401  (load an optimized BLAS before mlx.core)
-import mlx.core as mx
+from mlx_pte.runtime.mlx.bootstrap import mx
 
 from mlx_pte.ir.errors import FormatError
 from mlx_pte.ir.graph import Graph, SymDim, TensorType
@@ -113,7 +112,13 @@ class Program:
         model's own size; see ``interpreter.temporaries``)."""
         graph = payload.graph
         check_temporaries(graph, temporaries_budget)
-        weights = {s: load_weight(payload.constant_bytes(s), graph.slots[s].type) for s in graph.constants()}
+        release = getattr(payload, "release", None)
+        weights = {}
+        for s in graph.constants():
+            raw = payload.constant_bytes(s)
+            weights[s] = load_weight(raw, graph.slots[s].type)  # a copy: the file's pages can go
+            if release is not None:
+                release(raw)
         manifest = payload.manifest
         if group is not None and group.size() > 1:
             from .shards import shard_program  # mx.distributed only for a sharded load

@@ -19,6 +19,10 @@ from typing import Any, Awaitable, Callable
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 DEFAULT_BODY_TIMEOUT = 30.0
+# The connection around a body: a request's headers must arrive within DEFAULT_HEADER_TIMEOUT
+# seconds (slow_clients), and an idle keep-alive connection closes after DEFAULT_KEEP_ALIVE.
+DEFAULT_HEADER_TIMEOUT = 10.0
+DEFAULT_KEEP_ALIVE = 5.0  # uvicorn's default
 MAX_INT_DIGITS = 30  # any integer field the API has fits in far fewer
 MAX_DEPTH = 32  # the deepest a valid request goes is 4 (messages[i].content[j].text)
 
