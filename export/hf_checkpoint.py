@@ -180,7 +180,8 @@ def load_skeleton(checkpoint: HFCheckpoint, dtype: str, attn_implementation: str
             model = AutoModelForCausalLM.from_config(
                 checkpoint.config, dtype=TORCH_DTYPES[dtype], attn_implementation=attn_implementation
             )
-    except (ValueError, KeyError, RuntimeError) as exc:
+    # torch asserts its own preconditions, such as a config pad_token_id inside the embedding.
+    except (ValueError, KeyError, RuntimeError, AssertionError) as exc:
         raise CheckpointError(f"the model in {checkpoint.path} does not build: {_one_line(exc)}") from None
     _compute_non_persistent_buffers(model)
     route_experts(model)

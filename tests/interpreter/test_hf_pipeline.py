@@ -19,7 +19,7 @@ from mlx_pte.serving.generation import generate
 from mlx_pte.interpreter.program import Program, load
 from mlx_pte.interpreter.session import DEFAULT_MAX_STEP, Session, SessionError
 from mlx_pte.runtime.cache import KINDS
-from tests.fixtures.tiny_models import FAMILIES
+from tests.fixtures.tiny_models import family_params
 
 MAX_STEP = 16
 PROMPT = "The quick brown fox jumps over the lazy dog, again and again."
@@ -54,7 +54,7 @@ def exported_family(tiny_checkpoint, tmp_path_factory):
     return build
 
 
-@pytest.fixture(params=FAMILIES)
+@pytest.fixture(params=family_params())
 def exported(request, exported_family) -> Exported:
     return exported_family(request.param)
 

@@ -20,7 +20,7 @@ from mlx_pte.interpreter.session import Session
 from mlx_pte.ir.quantization import QuantSpec, full_precision_weights, quantized_constants
 from mlx_pte.runtime.cache import KINDS
 from tests.fixtures.dequantized import dequantized_weights, load_into
-from tests.fixtures.tiny_models import FAMILIES
+from tests.fixtures.tiny_models import family_params
 
 SPEC = QuantSpec("affine", 4, 32)
 MAX_STEP = 16
@@ -56,7 +56,7 @@ def quantized_family(tiny_checkpoint, tmp_path_factory):
     return build
 
 
-@pytest.fixture(params=FAMILIES)
+@pytest.fixture(params=family_params())
 def quantized(request, quantized_family) -> Quantized:
     return quantized_family(request.param)
 

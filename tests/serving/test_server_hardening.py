@@ -237,6 +237,7 @@ def test_bodies_past_the_limit_get_413_without_being_read(program):
             assert client.post(url + "/v1/completions", json=NORMAL).status_code == 200
 
 
+@pytest.mark.slow  # tokenizing a million words takes a minute on a loaded 2-core machine
 def test_health_answers_while_a_big_prompt_is_tokenized(live):
     url, _, _ = live
     result: dict = {}
