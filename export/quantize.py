@@ -5,7 +5,7 @@ The packing is ``mlx.core.quantize`` itself, run here on the full-precision weig
 the bytes are MLX's own by construction and the same weights always give the same bytes.
 
 Rule (``plan_quantization``): a constant is quantized when every read of it is as the
-weight of a ``linear`` or an ``embedding`` (a tied LM head and its embedding read one
+weight of a ``linear``, an ``embedding`` or ``llm::experts`` (a tied LM head and its embedding read one
 constant, so they share one quantized copy), it is floating point and its rows divide
 into groups (``ir.quantization.keep_reason``). A linear or embedding weight that does not
 fit stays full precision, and the written file reports it
@@ -27,12 +27,13 @@ import mlx.core as mx
 from mlx_pte.ir.graph import TensorType
 from mlx_pte.ir.quantization import QuantizationError, QuantSpec, keep_reason
 
+from . import experts_op  # noqa: F401  (defines torch.ops.llm.experts)
 from .graph_builder import DTYPE_NAMES, Builder, ep_constant, target_key
 
 aten = torch.ops.aten
 
-# op -> index of the weight among its arguments
-_WEIGHT_ARG = {aten.linear.default: 1, aten.embedding.default: 0}
+# op -> index of each weight among its arguments
+_WEIGHT_ARG = {aten.linear.default: (1,), aten.embedding.default: (0,), torch.ops.llm.experts.default: (3, 4)}
 
 
 @dataclass(frozen=True)
@@ -47,7 +48,8 @@ class PackedWeight:
 
     def parts(self) -> list[tuple[str, TensorType, np.ndarray]]:
         """(name suffix, type, array) of each stored part: weight, scales, biases."""
-        types = self.spec.parts((self.weight.shape[0], self.weight.shape[1] * 32 // self.spec.bits), self.dtype)
+        *lead, words = self.weight.shape
+        types = self.spec.parts((*lead, words * 32 // self.spec.bits), self.dtype)
         arrays = (self.weight, self.scales, self.biases)
         return [
             (suffix, TensorType(t.dtype, t.shape), a)
@@ -57,8 +59,8 @@ class PackedWeight:
 
 
 def _is_weight_read(user: Node, node: Node, absorbed: frozenset[Node]) -> bool:
-    at = _WEIGHT_ARG.get(target_key(user.target)) if user.op == "call_function" else None
-    return at is not None and user not in absorbed and len(user.args) > at and user.args[at] is node
+    positions = _WEIGHT_ARG.get(target_key(user.target), ()) if user.op == "call_function" else ()
+    return user not in absorbed and any(len(user.args) > at and user.args[at] is node for at in positions)
 
 
 def _weight_reads(node: Node, absorbed: frozenset[Node]) -> tuple[bool, bool]:
@@ -108,7 +110,7 @@ def check_quantizable(spec: QuantSpec) -> None:
 
 
 def quantize_weight(tensor: torch.Tensor, spec: QuantSpec) -> PackedWeight:
-    """MLX's packing of a 2-D float weight (its own dtype's scales, for affine).
+    """MLX's packing of a 2-D float weight (3-D: experts, each packed along its last axis) (its own dtype's scales, for affine).
 
     Raises:
         QuantizationError: this machine's MLX cannot quantize to ``spec``.
