@@ -5,6 +5,7 @@
 #   profile.log        bench/gpu_profile.py: kernels, kernel ms, wall ms, busy, top kernels per token
 #   gemv.log           bench/gpu_gemv.py: GEMV GB/s at the model's shapes, custom kernel, cuBLAS, q4
 #   batches.log        --batches 8,32,64: batched-sequence vs mlx-lm's BatchGenerator, bf16
+#   decode_whole.log   segments (today's capture) vs the whole step as one compiled function, bf16
 #
 #   bench/gpu_suite.sh      # on the device, from the repository root; .gpu/ from bench/make_gpu_exports.sh
 #
@@ -52,4 +53,6 @@ step profile 90 "$PY" bench/gpu_profile.py "${PTES[@]}" "${COMMON[@]}" --prompt 
 step gemv 60 "$PY" bench/gpu_gemv.py --site "$SITE" --custom --torch --q4
 step batches 90 "$PY" bench/gpu_decode.py --pte bf16=.gpu/llama1b-bf16.pte.gz "${COMMON[@]}" --prompt 128 \
     --generate 64 --batches 8,32,64
+step decode_whole 75 "$PY" bench/gpu_decode.py --pte bf16=.gpu/llama1b-bf16.pte.gz "${COMMON[@]}" --prompt 128 \
+    --generate 128 --rounds 5 --capture on --whole-step --skip mlx-lm --skip hf --skip hf-static
 grep -h -A3 "median of per-round" "$OUT"/decode_*.log

@@ -23,7 +23,7 @@ from .graph_builder import (
     DTYPE_NAMES,
     Builder,
     DimRange,
-    ep_constant,
+    constant_source,
     is_tensor,
     range_bounds,
     target_key,
@@ -32,6 +32,7 @@ from .graph_builder import (
 )
 from .op_lowerings import LOWERINGS
 from .quantize import add_quantized, plan_quantization
+from .tensor_source import concat_sources
 
 
 def dim_ranges(ep: ExportedProgram) -> dict[str, DimRange]:
@@ -136,7 +137,7 @@ def lower_program(
         if name not in by_name or not isinstance(b.graph.slots[by_name[name]].type, TensorType):
             raise ExportError(f"output {i} ({name}) is not a tensor computed by forward(); return computed tensors only")
         b.graph.outputs.append(by_name[name])
-    graph, constants = fuse_projections(b.graph, b.constants) if fused_projections else (b.graph, b.constants)
+    graph, constants = fuse_projections(b.graph, b.constants, concat_sources) if fused_projections else (b.graph, b.constants)
     return simplify(graph, constants)
 
 
@@ -153,4 +154,6 @@ def _lower_placeholder(b: Builder, node: Node, spec: Any) -> None:
         raise ExportError(f"input {node.name!r} of kind {spec.kind.name} cannot be lowered")
     if not node.users:
         return
-    b.slots[node] = b.add_constant(spec.target, ep_constant(b.ep, node))
+    source = constant_source(b.ep, node)
+    assert source is not None  # a constant kind, checked above
+    b.slots[node] = b.add_source(spec.target, source)

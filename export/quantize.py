@@ -21,14 +21,14 @@ import torch
 from torch.export import ExportedProgram
 from torch.fx import Node
 
-import mlx_pte.runtime.mlx.blas  # noqa: F401  (load an optimized BLAS before mlx.core)
-import mlx.core as mx
+from mlx_pte.runtime.mlx.bootstrap import mx
 
 from mlx_pte.ir.graph import TensorType
 from mlx_pte.ir.quantization import QuantizationError, QuantSpec, keep_reason
 
 from . import experts_op  # noqa: F401  (defines torch.ops.llm.experts)
-from .graph_builder import DTYPE_NAMES, Builder, ep_constant, target_key
+from .graph_builder import Builder, constant_source, target_key
+from .tensor_source import PartSource, SharedResult, TensorSource
 
 aten = torch.ops.aten
 
@@ -36,26 +36,46 @@ aten = torch.ops.aten
 _WEIGHT_ARG = {aten.linear.default: (1,), aten.embedding.default: (0,), torch.ops.llm.experts.default: (3, 4)}
 
 
+# Rows quantized at once: bounds the float copy MLX makes of a large weight (an embedding).
+_QUANTIZE_BLOCK_BYTES = 64 << 20
+
+
 @dataclass(frozen=True)
 class PackedWeight:
-    """One weight's packed parts, as ``mx.quantize`` returned them (numpy, C order)."""
+    """One weight's packed parts, computed from ``source`` when the first is written."""
 
     spec: QuantSpec
-    dtype: str  # of the full-precision weight
+    source: TensorSource  # the full-precision weight [N, K] (experts: [E, N, K])
+
+    def parts(self) -> list[tuple[str, TensorType, PartSource]]:
+        """(name suffix, type, source) of each stored part: weight, scales, biases."""
+        types = [t for t in self.spec.parts(tuple(self.source.shape), self.source.dtype) if t is not None]
+        result = SharedResult(lambda: _quantize_blocks(self.source.tensor(), self.spec), len(types))
+        return [
+            (suffix, TensorType(t.dtype, t.shape), PartSource(result, i, t.shape, t.dtype))
+            for i, (suffix, t) in enumerate(zip(("", ".scales", ".biases"), types))
+        ]
+
+
+def _quantize_blocks(tensor: torch.Tensor, spec: QuantSpec) -> list[np.ndarray]:
+    """``quantize_weight``'s parts, computed a block of rows at a time (rows quantize
+    independently, so the bytes are the same as one call's)."""
+    rows = max(1, _QUANTIZE_BLOCK_BYTES // max(1, tensor[0].numel() * tensor.element_size()))
+    blocks = [quantize_weight(tensor[i : i + rows], spec) for i in range(0, tensor.shape[0], rows)]
+    del tensor
+    fields = [[b.weight for b in blocks], [b.scales for b in blocks]]
+    if spec.affine:
+        fields.append([b.biases for b in blocks])  # type: ignore[misc]
+    return [np.concatenate(f) for f in fields]
+
+
+@dataclass(frozen=True)
+class QuantizedArrays:
+    """One weight's packed parts, as ``mx.quantize`` returned them (numpy, C order)."""
+
     weight: np.ndarray  # uint32 [N, K * bits / 32]
     scales: np.ndarray
     biases: Optional[np.ndarray]
-
-    def parts(self) -> list[tuple[str, TensorType, np.ndarray]]:
-        """(name suffix, type, array) of each stored part: weight, scales, biases."""
-        *lead, words = self.weight.shape
-        types = self.spec.parts((*lead, words * 32 // self.spec.bits), self.dtype)
-        arrays = (self.weight, self.scales, self.biases)
-        return [
-            (suffix, TensorType(t.dtype, t.shape), a)
-            for suffix, t, a in zip(("", ".scales", ".biases"), types, arrays)
-            if t is not None
-        ]
 
 
 def _is_weight_read(user: Node, node: Node, absorbed: frozenset[Node]) -> bool:
@@ -87,13 +107,12 @@ def plan_quantization(
     if spec is None:
         return packed
     for node in ep.graph.nodes:
-        tensor = ep_constant(ep, node) if node.op == "placeholder" else None
-        if tensor is None or not node.users:
+        source = constant_source(ep, node) if node.op == "placeholder" else None
+        if source is None or not node.users:
             continue
         some, every = _weight_reads(node, absorbed)
-        dtype = DTYPE_NAMES.get(tensor.dtype, str(tensor.dtype))
-        if some and keep_reason(spec, tuple(tensor.shape), dtype, other_reads=not every) is None:
-            packed[node] = quantize_weight(tensor, spec)
+        if some and keep_reason(spec, tuple(source.shape), source.dtype, other_reads=not every) is None:
+            packed[node] = PackedWeight(spec, source)
     return packed
 
 
@@ -109,13 +128,13 @@ def check_quantizable(spec: QuantSpec) -> None:
     quantize_weight(torch.ones(1, spec.group_size), spec)
 
 
-def quantize_weight(tensor: torch.Tensor, spec: QuantSpec) -> PackedWeight:
-    """MLX's packing of a 2-D float weight (3-D: experts, each packed along its last axis) (its own dtype's scales, for affine).
+def quantize_weight(tensor: torch.Tensor, spec: QuantSpec) -> QuantizedArrays:
+    """MLX's packing of a 2-D float weight, or a 3-D experts weight (each expert packed as
+    its own 2-D weight), with its own dtype's scales, for affine.
 
     Raises:
         QuantizationError: this machine's MLX cannot quantize to ``spec``.
     """
-    dtype = DTYPE_NAMES[tensor.dtype]
     try:
         parts = mx.quantize(_to_mlx(tensor), group_size=spec.group_size, bits=spec.bits, mode=spec.mode)
         mx.eval(parts)
@@ -124,7 +143,7 @@ def quantize_weight(tensor: torch.Tensor, spec: QuantSpec) -> PackedWeight:
             f"MLX {mx.__version__} on {mx.default_device()} cannot quantize to {spec.describe()}: {exc}"
         ) from None
     weight, scales, *rest = (_to_numpy(p) for p in parts)
-    return PackedWeight(spec, dtype, weight, scales, rest[0] if spec.affine else None)
+    return QuantizedArrays(weight, scales, rest[0] if spec.affine else None)
 
 
 def _to_mlx(tensor: torch.Tensor) -> mx.array:

@@ -29,8 +29,8 @@ depend only on the input shapes. The KV pools never enter a compiled graph, so t
 growth (by doubling) recompiles nothing.
 
 Shapes are bucketed so that steady decode and prefill chunks reuse compiled graphs: each
-dynamic dimension is padded (with zeros) up to the next power of two, capped at its
-maximum. The padding rows are computed and dropped: the context ops see only the real
+dynamic dimension is padded (with zeros) up to the next power of two, or above 256 the
+next multiple of 256 (``bucket``), capped at its maximum. The padding rows are computed and dropped: the context ops see only the real
 tokens (their token axes are sliced before and padded after), and outputs are sliced back.
 This relies on what every exported LLM forward satisfies: outside attention, a token's
 row never reads another token's row. One compilation happens per segment per bucket;
@@ -41,8 +41,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence, Union
 
-import mlx_pte.runtime.mlx.blas  # noqa: F401  (load an optimized BLAS before mlx.core)
-import mlx.core as mx
+from mlx_pte.runtime.mlx.bootstrap import mx
 
 from mlx_pte.ir.graph import Graph, SymDim, TensorType
 
@@ -127,9 +126,18 @@ def _segment(steps: Sequence[PreparedStep], start: int, end: int, last_read: dic
     )
 
 
+# Above this, buckets are its multiples: a power of two would pad a 600-token prefill to
+# 1024 (up to 2x the work), a multiple of it pads by less than BUCKET_STEP tokens.
+BUCKET_STEP = 256
+
+
 def bucket(size: int, limit: Optional[int]) -> int:
-    """The padded size of a dynamic dimension: the next power of two, capped at ``limit``."""
-    padded = 1 << max(size - 1, 0).bit_length()
+    """The padded size of a dynamic dimension: the next power of two up to ``BUCKET_STEP``,
+    the next multiple of it above, capped at ``limit``."""
+    if size <= BUCKET_STEP:
+        padded = 1 << max(size - 1, 0).bit_length()
+    else:
+        padded = -(-size // BUCKET_STEP) * BUCKET_STEP
     return min(padded, limit) if limit is not None and size <= limit else padded
 
 

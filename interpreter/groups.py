@@ -8,8 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-import mlx_pte.runtime.mlx.blas  # noqa: F401  (load an optimized BLAS before mlx.core)
-import mlx.core as mx
+from mlx_pte.runtime.mlx.bootstrap import mx
 
 _GROUPS: list[Any] = []
 

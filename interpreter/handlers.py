@@ -15,8 +15,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable, Optional
 
-import mlx_pte.runtime.mlx.blas  # noqa: F401  (load an optimized BLAS before mlx.core)
-import mlx.core as mx
+from mlx_pte.runtime.mlx.bootstrap import mx
 
 from mlx_pte.ir.catalog import CATALOG
 

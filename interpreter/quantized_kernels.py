@@ -6,8 +6,7 @@ one), and a missing kernel would otherwise surface mid-generation. Each distinct
 """
 from __future__ import annotations
 
-import mlx_pte.runtime.mlx.blas  # noqa: F401  (load an optimized BLAS before mlx.core)
-import mlx.core as mx
+from mlx_pte.runtime.mlx.bootstrap import mx
 
 from mlx_pte.ir.graph import Graph
 from mlx_pte.ir.quantization import QuantSpec, quantized_constants

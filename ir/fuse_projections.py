@@ -96,9 +96,9 @@ def fuse_projections(
     return fused, out_constants
 
 
-def linear_count(graph: Graph) -> int:
-    """The matmuls on weights the graph runs per forward (``linear`` and ``quantized_linear``)."""
-    return sum(instr.op in _BIAS_AT for instr in graph.instructions)
+def linear_count(instructions: Sequence[Instruction]) -> int:
+    """How many of ``instructions`` are matmuls on weights (``linear``, ``quantized_linear``)."""
+    return sum(instr.op in _BIAS_AT for instr in instructions)
 
 
 def _static(slots: list[Slot], slot: Optional[int]) -> Optional[TensorType]:

@@ -94,24 +94,25 @@ def linear_roles(graph: Graph, manifest: Mapping[str, Any]) -> dict[int, str]:
     plan = (manifest.get("extra") or {}).get("tp_plan") or _DEFAULT_PLAN
     # HF's plans name the separate projections; mlx-pte's export may fuse them.
     plan = {**plan, **{k: v for k, v in _DEFAULT_PLAN.items() if k in _FUSED}}
-    rules = []
-    for pattern, style in plan.items():
-        if style in (COLUMN, ROW):
-            rules.append((_glob(pattern), style))
-        elif not str(style).startswith("replicated"):
-            raise ShardingError(
-                f"the file's tensor-parallel plan shards {pattern!r} as {style!r}; mlx-pte splits only "
-                "colwise and rowwise linears (run it on one process)"
-            )
+    rules = [(_glob(pattern), pattern, str(style)) for pattern, style in plan.items()]
     roles = {}
     for index, instr in enumerate(graph.instructions):
         if instr.op not in _LINEARS:
             continue
         name = graph.slots[instr.inputs[1]].name.removesuffix(".weight")
-        for regex, style in rules:
-            if regex.match(name):
+        for regex, pattern, style in rules:
+            if not regex.match(name):
+                continue
+            if style not in (COLUMN, ROW) and not style.startswith("replicated"):
+                # Other styles (an embedding's, a norm's) leave those modules replicated; a
+                # linear split some other way would need a rewrite mlx-pte does not have.
+                raise ShardingError(
+                    f"the file's tensor-parallel plan splits {pattern!r} as {style!r}; mlx-pte splits linears "
+                    "only colwise or rowwise (run it on one process)"
+                )
+            if style in (COLUMN, ROW):
                 roles[index] = style
-                break
+            break
     return roles
 
 

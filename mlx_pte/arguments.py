@@ -11,9 +11,15 @@ from typing import Callable, Optional, Sequence
 
 from mlx_pte.interpreter.chat_template import DEFAULT_BUDGET as DEFAULT_TEMPLATE_BUDGET
 from mlx_pte.runtime.cache import KINDS, KV_DTYPES
-from mlx_pte.serving.openai.app import DEFAULT_HEADER_TIMEOUT, DEFAULT_KEEP_ALIVE
 from mlx_pte.serving.engine import DEFAULT_CAPACITY_CONTEXTS
-from mlx_pte.serving.openai.request_body import DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_BODY_BYTES, MAX_DEPTH, MAX_INT_DIGITS
+from mlx_pte.serving.openai.request_body import (
+    DEFAULT_BODY_TIMEOUT,
+    DEFAULT_HEADER_TIMEOUT,
+    DEFAULT_KEEP_ALIVE,
+    DEFAULT_MAX_BODY_BYTES,
+    MAX_DEPTH,
+    MAX_INT_DIGITS,
+)
 from mlx_pte.serving.sampling.params import GREEDY_TEMPERATURE
 from mlx_pte.serving.text.stops import MAX_STOP_CHARS, MAX_STOPS
 
@@ -67,6 +73,13 @@ def add_cache_arguments(parser: argparse.ArgumentParser, kinds: Sequence[str], d
     )
     parser.add_argument("--kv-dtype", default=None, choices=KV_DTYPES,
                         help="K/V storage dtype (default: the model's dtype)")
+
+
+def add_max_step_argument(parser: argparse.ArgumentParser) -> None:
+    """The run-time prefill chunk (``Session(max_step=...)``) of a single-session command."""
+    parser.add_argument("--max-step", type=positive_int, default=None,
+                        help="most tokens per forward (the prefill chunk), at most the export's bound; "
+                        "default: 2048 on the GPU, 256 on the CPU, within that bound")
 
 
 def add_batching_arguments(parser: argparse.ArgumentParser) -> None:
@@ -123,7 +136,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds a client has to send a request's headers, else 408 and close "
                              f"(default: {DEFAULT_HEADER_TIMEOUT:g})")
     parser.add_argument("--body-timeout", type=positive_float, default=DEFAULT_BODY_TIMEOUT,
-                        help="seconds to wait for each chunk of a request body, else 408 and close "
+                        help="seconds the whole of a request body may take to arrive, else 408 and close "
                              f"(default: {DEFAULT_BODY_TIMEOUT:g})")
     parser.add_argument("--keep-alive", type=positive_float, default=DEFAULT_KEEP_ALIVE,
                         help=f"seconds an idle keep-alive connection stays open (default: {DEFAULT_KEEP_ALIVE:g})")

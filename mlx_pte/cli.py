@@ -33,6 +33,7 @@ from mlx_pte.serving import tensor_parallel
 
 from .arguments import (
     add_batching_arguments,
+    add_max_step_argument,
     add_cache_arguments,
     add_sampling_arguments,
     add_serve_arguments,
@@ -237,8 +238,9 @@ def export_command(parser: argparse.ArgumentParser) -> Handler:
         help="dtype of weights and activations (default float32; MLX on CPU is fastest in float32)",
     )
     parser.add_argument(
-        "--max-step", type=int, default=256,
-        help="most tokens one forward takes (prefill chunk size); default 256",
+        "--max-step", type=int, default=None,
+        help="most tokens one forward of the program may take (the traced bound; the prefill chunk is "
+        "chosen at run time within it, see run --max-step); default: the model's context, at most 8192",
     )
     parser.add_argument(
         "--quantize", choices=tuple(PRESETS), default=None,
@@ -301,7 +303,7 @@ def default_model_pte() -> str:
         from mlx_pte.export.hf_export import export_hf
 
         print(f"exporting the bundled model {model_dir} to {pte} ...", file=sys.stderr)
-        export_hf(model_dir, pte, dtype="float32", max_step=256, progress=True)
+        export_hf(model_dir, pte, dtype="float32", progress=True)
     return str(pte)
 
 
@@ -318,12 +320,16 @@ def run_command(parser: argparse.ArgumentParser) -> Handler:
     add_tokenizer_argument(parser)
     add_template_budget_argument(parser)
     add_batching_arguments(parser)
+    add_max_step_argument(parser)
     add_sampling_arguments(parser)
     tensor_parallel.add_tp_argument(parser)
 
     def run(args: argparse.Namespace) -> int:
         if (args.prompt is None) == (args.prompts is None):
             raise ValueError("give exactly one of --prompt TEXT or --prompts FILE")
+        if args.prompts and args.max_step is not None:
+            raise ValueError("--max-step applies to --prompt; with --prompts give the engine's step budget "
+                             "as --max-batch-tokens")
         args.model = args.model or default_model_pte()
         if args.tp is not None and not tensor_parallel.launched():
             return tensor_parallel.launch_local(args.tp, tensor_parallel.without_tp(args.argv))
@@ -345,7 +351,7 @@ def _run_prompt(args: argparse.Namespace, program) -> int:
     from mlx_pte.serving.generation import generate
 
     session = Session(program, kind=args.cache or "single", capacity=args.capacity,
-                      kv_dtype=args.kv_dtype, max_seqs=args.max_seqs)
+                      kv_dtype=args.kv_dtype, max_seqs=args.max_seqs, max_step=args.max_step)
     prompt = args.prompt
     if args.chat:
         codec = TextCodec(session.manifest, template_budget=args.template_budget)
@@ -420,6 +426,8 @@ def serve_command(parser: argparse.ArgumentParser) -> Handler:
                                args.kv_dtype, args.tokenizer, args.prompt_cache_tokens, group=group)
 
         def serve_engine(engine) -> None:
+            # Every compile bucket is traced before the port opens, so no request pays for it.
+            print(f"warmed up {engine.kind} engine in {engine.warm_up():.1f} s", file=sys.stderr, flush=True)
             serve(engine, args.model_id or Path(args.model).stem, args.host, args.port,
                   BodyLimits(args.max_body_bytes, args.body_timeout), args.header_timeout, args.keep_alive,
                   args.template_budget)
@@ -446,6 +454,7 @@ def bench_command(parser: argparse.ArgumentParser) -> Handler:
     parser.add_argument("--generate", type=positive_int, default=64, help="tokens to generate (default 64)")
     parser.add_argument("--repeats", type=positive_int, default=3, help="timed runs after one warm-up (default 3)")
     add_cache_arguments(parser, KINDS, "single", "single", "the model's max context")
+    add_max_step_argument(parser)
     add_tokenizer_argument(parser)
     tensor_parallel.add_tp_argument(parser)
 
@@ -474,7 +483,8 @@ def _bench(args: argparse.Namespace, group) -> int:
     prompt = np.random.default_rng(0).integers(0, vocab, args.prompt_tokens).tolist()
 
     def once(n_prompt: int, n_new: int):
-        session = Session(program, kind=args.cache, capacity=args.capacity, kv_dtype=args.kv_dtype)
+        session = Session(program, kind=args.cache, capacity=args.capacity, kv_dtype=args.kv_dtype,
+                          max_step=args.max_step)
         return generate(session, prompt[:n_prompt], max_new_tokens=n_new, stop_on_eos=False)
 
     once(min(8, len(prompt)), 4)

@@ -58,8 +58,7 @@ def join_group() -> Any:
     a rank other than 0, stdout goes to /dev/null from here on."""
     if not launched():
         return None
-    import mlx_pte.runtime.mlx.blas  # noqa: F401  (load an optimized BLAS before mlx.core)
-    import mlx.core as mx
+    from mlx_pte.runtime.mlx.bootstrap import mx
 
     try:
         group = mx.distributed.init(strict=True)

@@ -12,25 +12,32 @@ configured alike; the same verbs in the same order give the same sequence ids.
 
 Faults: a follower that dies closes its channel; rank 0 notices at once (a thread reads
 every channel), reports the rank and exits 1. A follower whose channel closes without
-rank 0's stop message exits 1 naming rank 0. A collective that fails raises on the
+rank 0's stop message exits 1 naming rank 0. Both ends beat every ``BEAT_S``, so a
+stopped or hung peer (its connection open) is lost after ``SILENCE_S`` too. A collective that fails raises on the
 ranks still alive (``tensor_parallel.lost_ranks``).
 """
 from __future__ import annotations
 
 import json
 import os
+import queue
 import socket
 import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 
 from .tensor_parallel import RankLostError
 
 MIRRORED_VERBS = ("seq_new", "seq_rm", "seq_clone", "rewind", "clear")
+# Both ends of a step channel send a beat this often; a peer silent for SILENCE_S (a stopped
+# or hung process, whose connection stays open) counts as lost. MLX_PTE_TP_SILENCE_S sets
+# it (seconds), e.g. for a model whose single step may take longer.
+BEAT_S = 1.0
+SILENCE_S = float(os.environ.get("MLX_PTE_TP_SILENCE_S", 30.0))
 CONNECT_TIMEOUT_S = 60.0
 # Rank 0 waits this long after a follower is lost, so error responses reach their clients.
 LOST_GRACE_S = 1.0
@@ -88,19 +95,34 @@ class StepChannel:
                 except OSError as exc:
                     raise RankLostError(f"rank 0: rank {rank} stopped (its step channel: {exc}); every rank stops") from None
 
-    def watch(self, on_lost: Callable[[int], None]) -> None:
-        """Call ``on_lost(rank)`` (on a thread of its own) when a follower's channel closes."""
+    def watch(self, on_lost: Callable[[int, str], None]) -> None:
+        """Beat to every follower, and call ``on_lost(rank, why)`` (on a thread of its own)
+        when a follower's channel closes or it is silent for ``SILENCE_S``."""
+        heard = {rank: time.monotonic() for rank in self.conns}
         for rank, conn in self.conns.items():
             def read(rank: int = rank, conn: socket.socket = conn) -> None:
                 try:
                     while conn.recv(1):
-                        pass
+                        heard[rank] = time.monotonic()
                 except OSError:
                     pass
                 if not self.closing:
-                    on_lost(rank)
+                    on_lost(rank, "its step channel closed")
 
             threading.Thread(target=read, name=f"tp-watch-{rank}", daemon=True).start()
+
+        def beat() -> None:
+            while not self.closing:
+                try:
+                    self.send({"verb": "beat"})
+                except RankLostError:
+                    return  # its reader reports it
+                for rank, when in heard.items():
+                    if time.monotonic() - when > SILENCE_S and not self.closing:
+                        on_lost(rank, f"silent for {SILENCE_S:g} s")
+                time.sleep(BEAT_S)
+
+        threading.Thread(target=beat, name="tp-beat", daemon=True).start()
 
     def close(self) -> None:
         self.closing = True
@@ -165,8 +187,7 @@ def follow(session: Any, group: Any, host: Optional[str] = None) -> int:
     conn = socket.create_connection((host or _leader_host(), port), timeout=CONNECT_TIMEOUT_S)
     conn.settimeout(None)
     conn.sendall(f"{rank}\n".encode())
-    for line in conn.makefile("r"):
-        message = json.loads(line)
+    for message in _messages(conn, rank):
         verb = message["verb"]
         if verb == "stop":
             return 0
@@ -184,6 +205,46 @@ def follow(session: Any, group: Any, host: Optional[str] = None) -> int:
     raise RankLostError(f"rank {rank}: rank 0 stopped (its step channel closed); every rank stops")
 
 
+def _messages(conn: socket.socket, rank: int) -> Iterator[dict]:
+    """Rank 0's messages, beats left out. Threads read the channel and beat back, so a
+    follower busy in a step still hears rank 0; one silent for ``SILENCE_S`` stops this
+    process (exit 1)."""
+    inbox: queue.Queue = queue.Queue()
+    heard = [time.monotonic()]
+    done = threading.Event()
+
+    def read() -> None:
+        try:
+            for line in conn.makefile("r"):
+                heard[0] = time.monotonic()
+                message = json.loads(line)
+                if message["verb"] != "beat":
+                    inbox.put(message)
+        except (OSError, ValueError):
+            pass
+        inbox.put(None)
+
+    def beat() -> None:
+        while not done.is_set():
+            if time.monotonic() - heard[0] > SILENCE_S:
+                print(f"error: rank {rank}: rank 0 silent for {SILENCE_S:g} s; every rank stops", file=sys.stderr,
+                      flush=True)
+                os._exit(1)
+            try:
+                conn.sendall(b".")
+            except OSError:
+                return
+            time.sleep(BEAT_S)
+
+    threading.Thread(target=read, name="tp-read", daemon=True).start()
+    threading.Thread(target=beat, name="tp-beat", daemon=True).start()
+    try:
+        while (message := inbox.get()) is not None:
+            yield message
+    finally:
+        done.set()
+
+
 def serve_ranks(group: Any, open_engine: Callable[..., Any], serve: Callable[[Any], None]) -> int:
     """Run ``serve(engine)`` on rank 0 (the HTTP server, or ``run --prompts``' file) with
     every other rank following it; ``open_engine(group)`` builds each rank's engine."""
@@ -193,9 +254,8 @@ def serve_ranks(group: Any, open_engine: Callable[..., Any], serve: Callable[[An
     channel = StepChannel.accept(group)
     lead(engine, channel)
 
-    def lost(rank: int) -> None:
-        print(f"error: rank 0: rank {rank} stopped (its step channel closed); every rank stops",
-              file=sys.stderr, flush=True)
+    def lost(rank: int, why: str) -> None:
+        print(f"error: rank 0: rank {rank} stopped ({why}); every rank stops", file=sys.stderr, flush=True)
         time.sleep(LOST_GRACE_S)
         os._exit(1)
 

@@ -9,8 +9,7 @@ tiled), and V's head dim may differ from K's.
 """
 from __future__ import annotations
 
-import mlx_pte.runtime.mlx.blas  # noqa: F401  (before mlx.core: fast BLAS)
-import mlx.core as mx
+from mlx_pte.runtime.mlx.bootstrap import mx
 
 from .masks import Mask, lower_right_mask
 from .pool import cast

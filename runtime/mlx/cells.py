@@ -8,8 +8,7 @@ fused causal one, even for decode: a cell's neighbours may belong to other seque
 """
 from __future__ import annotations
 
-import mlx_pte.runtime.mlx.blas  # noqa: F401  (before mlx.core: fast BLAS)
-import mlx.core as mx
+from mlx_pte.runtime.mlx.bootstrap import mx
 
 from mlx_pte.runtime.cache import CacheConfig, CacheGeometry, CellCache, CellStepPlan
 

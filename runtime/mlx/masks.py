@@ -8,8 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Hashable, Optional, TypeVar, Union
 
-import mlx_pte.runtime.mlx.blas  # noqa: F401  (before mlx.core: fast BLAS)
-import mlx.core as mx
+from mlx_pte.runtime.mlx.bootstrap import mx
 
 from mlx_pte.runtime.cache import MaskKind, RunPlan
 

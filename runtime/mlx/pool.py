@@ -21,8 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-import mlx_pte.runtime.mlx.blas  # noqa: F401  (before mlx.core: fast BLAS)
-import mlx.core as mx
+from mlx_pte.runtime.mlx.bootstrap import mx
 
 from mlx_pte.runtime.cache import CacheError, Run
 from mlx_pte.runtime.cache.step import MAX_INDEX

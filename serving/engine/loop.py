@@ -28,11 +28,11 @@ import threading
 import time
 from typing import Any, Callable, Optional
 
-from mlx_pte.interpreter.text import TextCodec
 from mlx_pte.runtime.cache import KIND_BATCHED_SEQUENCE
 
 from ..sampling.params import SamplingParams
 from ..text.detokenizer import IncrementalDecoder
+from ..text.model_text import ModelText, TextError
 from ..text.stops import StopStringError, StopStrings, StopText
 from .jobs import Job, Sample
 from .prompt_store import PromptStore
@@ -96,15 +96,15 @@ class Engine:
         self.kind = kind
         self.cache = self.session.cache
         manifest = self.session.manifest
-        budget = max_batch_tokens if max_batch_tokens is not None else manifest.max_step
+        budget = max_batch_tokens if max_batch_tokens is not None else self.session.max_step
         if budget < 1:
             raise EngineError(f"max_batch_tokens must be at least 1, got {budget}")
-        self.limits = Limits(min(budget, manifest.max_step), self.cache.capacity, manifest.max_context,
+        self.limits = Limits(min(budget, self.session.max_step), self.cache.capacity, manifest.max_context,
                              self.cache.max_seqs())
-        self.vocab_size = manifest.vocab_size
-        self.eos_ids = frozenset(manifest.eos_token_ids)
-        self.codec = TextCodec(manifest) if manifest.tokenizer else None
-        self._manifest = manifest
+        self.text = ModelText.of(manifest)
+        self.vocab_size = self.text.vocab_size
+        self.eos_ids = self.text.eos_ids
+        self.codec = self.text.codec
         self.stats = EngineStats()
         self.prompt_store = PromptStore(prompt_cache_tokens, self.cache.seq_rm)
         self.scheduler = Scheduler(self.cache, self.limits, self.prompt_store, self.stats)
@@ -167,40 +167,27 @@ class Engine:
         return handle
 
     def vocabulary(self):
-        """The tokenizer as the grammar engine sees it (``grammar.TokenVocabulary``: token
-        bytes, eos), built on first use.
+        """The tokenizer as the grammar engine sees it (``ModelText.vocabulary``).
 
         Raises:
             EngineError: the program has no tokenizer, or the grammar engine cannot read it.
         """
-        from ..sampling.grammar import GrammarError, TokenVocabulary
-
-        if not self._manifest.tokenizer:
-            raise EngineError("structured output and logprobs need the program's tokenizer, and it embeds none")
         try:
-            return TokenVocabulary.of(self._manifest.tokenizer, self.vocab_size, sorted(self.eos_ids))
-        except GrammarError as exc:
+            return self.text.vocabulary()
+        except TextError as exc:
             raise EngineError(str(exc)) from None
 
     def encode(self, text: str) -> list[int]:
-        if self.codec is None:
-            raise EngineError(
-                "this program embeds no tokenizer; send token ids, or re-export from a checkpoint "
-                "directory that has tokenizer.json"
-            )
-        return self.codec.encode(text)
+        try:
+            return self.text.encode(text)
+        except TextError as exc:
+            raise EngineError(str(exc)) from None
 
     def _prompt_ids(self, request: Request) -> list[int]:
-        if isinstance(request.prompt, str):
-            ids = self.encode(request.prompt)
-        else:
-            ids = [int(t) for t in request.prompt]
-        if not ids:
-            raise EngineError("the prompt is empty; give at least one token")
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise EngineError(f"token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
-        return ids
+        try:
+            return self.text.prompt_ids(request.prompt)
+        except TextError as exc:
+            raise EngineError(str(exc)) from None
 
     def _new_samples(self, request: Request, stops: StopStrings) -> list[Sample]:
         return [
@@ -254,6 +241,25 @@ class Engine:
         self.load = EngineLoad(len(self._inbox) + len(self.scheduler.waiting), len(self.sequences()),
                                self.scheduler.reserved, self.cache.usage().logical_positions)
         return bool(plan.step.size) or previous is not None
+
+    def warm_up(self) -> float:
+        """Trace every shape bucket a step of this engine can take (token counts up to the
+        token budget, and as many sampled rows), so no request waits for a compilation;
+        returns the seconds it took. Call it before submitting anything.
+
+        Raises:
+            EngineError: the engine already holds requests.
+        """
+        from mlx_pte.interpreter.capture import bucket
+
+        if self.has_work or self.scheduler.has_work:
+            raise EngineError("warm the engine up before submitting requests")
+        start = time.perf_counter()
+        most = min(self.limits.token_budget, self.limits.capacity)
+        sizes = sorted({bucket(n, self.session.max_step) for n in range(1, most + 1)})
+        self.prompt_store.clear()  # its sequences go with the cache's clearing
+        self.runner.warm_up([size for size in sizes if size <= self.limits.capacity])
+        return time.perf_counter() - start
 
     def run(self) -> None:
         """Iterate on the calling thread until every submitted request has ended."""

@@ -18,10 +18,9 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Optional, Sequence
 
-import mlx_pte.runtime.mlx.blas  # noqa: F401  (before mlx.core: fast BLAS)
-import mlx.core as mx
+from mlx_pte.runtime.mlx.bootstrap import mx
 
 from ..sampling import device as device_sampling
 from ..sampling.grammar import masks
@@ -155,6 +154,21 @@ class Runner:
             return Flight(part.plan, part.ids, part.logits, part.draws, launch.dispatched, logprobs), failures
         return Flight(plan, mx.concatenate(ids) if ids else None, logits, draws,
                       launch.dispatched, logprobs), failures
+
+    def warm_up(self, sizes: Sequence[int]) -> None:
+        """One forward for every pair of token count and sampled-row count in ``sizes``
+        (rows never more than tokens), on a scratch sequence, so that each bucket's
+        segments are traced now rather than inside a request's first steps. The cache is
+        cleared after each (call it on an idle engine)."""
+        cache = self.session.cache
+        for tokens in sizes:
+            for rows in [r for r in sizes if r <= tokens]:
+                live = cache.live_seqs()
+                seq = live[0] if live else cache.seq_new()
+                try:
+                    self.session.forward([0] * tokens, list(range(tokens)), seq, list(range(tokens - rows, tokens)))
+                finally:
+                    cache.clear()
 
     @staticmethod
     def collect(flight: Flight) -> Tokens:

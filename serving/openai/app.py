@@ -23,13 +23,19 @@ from ..engine import Engine, EngineError, Event
 from .metrics import ServerMetrics
 from .request import ApiError, ApiRequest, parse_request
 from .response import Reply, sse
-from .request_body import BodyError, BodyLimits, ClientGone, parse_json, read_body
+from .request_body import (
+    DEFAULT_HEADER_TIMEOUT,
+    DEFAULT_KEEP_ALIVE,
+    BodyError,
+    BodyLimits,
+    ClientGone,
+    parse_json,
+    read_body,
+)
 from .tokenize_api import detokenize, tokenize
 
 log = logging.getLogger("uvicorn.error")  # uvicorn configures it: one line per event in its log
 
-DEFAULT_HEADER_TIMEOUT = 10.0
-DEFAULT_KEEP_ALIVE = 5.0  # uvicorn's default
 
 
 class _Listener:
@@ -98,7 +104,7 @@ def create_app(engine: Engine, model_id: str, limits: BodyLimits = BodyLimits(),
                template_budget: float = DEFAULT_TEMPLATE_BUDGET):
     """The starlette app serving ``engine`` as ``model_id``; it starts and stops the engine.
 
-    ``limits`` bound each request body (size, and seconds per chunk); ``template_budget`` is
+    ``limits`` bound each request body (size, and seconds for the whole body); ``template_budget`` is
     the CPU seconds one chat-template render may take (renders run on worker threads, so
     other requests are answered meanwhile).
     """
@@ -125,7 +131,7 @@ def create_app(engine: Engine, model_id: str, limits: BodyLimits = BodyLimits(),
         return body
 
     def parse(raw: bytes, chat: bool) -> ApiRequest:  # on a worker thread: parsing and tokenizing
-        parsed = parse_request(body_of(raw), engine, chat)
+        parsed = parse_request(body_of(raw), engine.text, chat)
         tools = parsed.tools
         needs = ("tool_choice" if tools and tools.enforced else "tools" if tools and tools.strict
                  else "response_format" if parsed.request.grammar is not None
@@ -201,7 +207,7 @@ def create_app(engine: Engine, model_id: str, limits: BodyLimits = BodyLimits(),
     def tokenizing(function):
         async def endpoint(http: HttpRequest):
             raw = await read(http)
-            return JSONResponse(await run_in_threadpool(lambda: function(body_of(raw), engine)))
+            return JSONResponse(await run_in_threadpool(lambda: function(body_of(raw), engine.text)))
 
         return endpoint
 

@@ -71,7 +71,7 @@ def run_prompts_file(engine: Engine, path: Path, defaults: Optional[Mapping[str,
     requests = []
     for number, body in read_prompts(path, defaults or {}):
         try:
-            parsed = parse_request(body, engine, chat="messages" in body)
+            parsed = parse_request(body, engine.text, chat="messages" in body)
         except ApiError as exc:
             raise PromptsFileError(f"{path}:{number}: {exc.message}") from None
         if parsed.request.logprobs is not None:  # refused, not dropped: the printout has no place for them

@@ -12,11 +12,12 @@ from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
 from mlx_pte.interpreter.text import TokenizerMissing
 
 from .chat_messages import template_messages
-from ..engine import Engine, EngineError, Request
+from ..engine.requests import Request
 from .output_options import parse_logprobs, parse_response_format
 from .request_body import BodyError, check_value
 from .request_fields import CHAT_FIELDS, COMPLETION_FIELDS, FieldError, check_fields
 from ..sampling.params import SamplingError, SamplingParams
+from ..text.model_text import ModelText, TextError
 from ..text.stops import StopStringError, StopStrings
 from .tool_calls import call_marker
 from .tool_grammar import tool_call_grammar
@@ -86,18 +87,18 @@ def _stops(body: Mapping) -> tuple[str, ...]:
         raise ApiError(400, f"'stop': {exc}", "stop") from None
 
 
-def _prompt(body: Mapping, engine: Engine) -> list[int]:
+def _prompt(body: Mapping, model: ModelText) -> list[int]:
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
-        return engine.encode(prompt)
+        return model.encode(prompt)
     if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         return list(prompt)
     raise ApiError(400, "'prompt' must be a string or a list of token ids (one prompt per request)", "prompt")
 
 
-def chat_text(engine: Engine, messages: Any, tools: Sequence[dict] = (), add_generation_prompt: bool = True) -> str:
+def chat_text(model: ModelText, messages: Any, tools: Sequence[dict] = (), add_generation_prompt: bool = True) -> str:
     """A chat body's ``messages`` (and ``tools``) rendered through the model's chat template.
 
     Raises:
@@ -107,28 +108,28 @@ def chat_text(engine: Engine, messages: Any, tools: Sequence[dict] = (), add_gen
         rendered = template_messages(messages)
     except FieldError as exc:
         raise ApiError(400, str(exc), exc.param) from None
-    if engine.codec is None:
+    if model.codec is None:
         raise ApiError(400, "this model embeds no tokenizer, so it cannot chat; use /v1/completions "
                             "with token ids", "messages")
     from jinja2 import TemplateError  # chat templates are jinja; only chat needs it
 
     try:
-        return engine.codec.render_chat(rendered, add_generation_prompt, tools=tools)
+        return model.codec.render_chat(rendered, add_generation_prompt, tools=tools)
     except TokenizerMissing as exc:
         raise ApiError(400, str(exc), "messages") from None
     except TemplateError as exc:  # e.g. the template's own raise_exception on role order
         raise ApiError(400, f"the model's chat template refused these messages: {exc}", "messages") from None
 
 
-def tool_use(body: Mapping, engine: Engine) -> ToolUse:
+def tool_use(body: Mapping, model: ModelText) -> ToolUse:
     """The tool fields of a chat body, checked against the model's chat template and tokenizer."""
-    template = engine.codec.chat_template if engine.codec is not None else None
+    template = model.codec.chat_template if model.codec is not None else None
     try:
         use = parse_tool_use(body, template.source if template is not None else None)
     except FieldError as exc:
         raise ApiError(400, str(exc), exc.param) from None
     marker = call_marker(use.format) if use.parses else None
-    if marker is not None and engine.codec is not None and engine.codec.drops(marker):
+    if marker is not None and model.codec is not None and model.codec.drops(marker):
         raise ApiError(400, f"this model's tokenizer makes {marker} a special token, which decoded replies leave "
                             "out, so its tool calls cannot be parsed; remove 'tools'", "tools")
     return use
@@ -178,7 +179,7 @@ def checked_body(body: Any, fields: frozenset[str], endpoint: str) -> dict:
     return body
 
 
-def parse_request(body: Any, engine: Engine, chat: bool) -> ApiRequest:
+def parse_request(body: Any, model: ModelText, chat: bool) -> ApiRequest:
     """An OpenAI completion (``chat=False``) or chat completion body as an engine Request.
 
     Tokenizes (and renders the chat template): call it off the event loop.
@@ -190,19 +191,19 @@ def parse_request(body: Any, engine: Engine, chat: bool) -> ApiRequest:
     body = checked_body(body, CHAT_FIELDS if chat else COMPLETION_FIELDS,
                         "/v1/chat/completions" if chat else "/v1/completions")
     _informational(body)
-    tools = tool_use(body, engine) if chat else None
+    tools = tool_use(body, model) if chat else None
     try:
-        ids = engine.encode(chat_text(engine, body.get("messages"), tools.tools)) if chat else _prompt(body, engine)
-    except (EngineError, TokenizerMissing) as exc:
+        ids = model.encode(chat_text(model, body.get("messages"), tools.tools)) if chat else _prompt(body, model)
+    except (TextError, TokenizerMissing) as exc:
         raise ApiError(400, str(exc), "messages" if chat else "prompt") from None
     token_name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
     # Unasked, a completion takes the default or what is left of the context, if less.
-    default = min(DEFAULT_CHAT_TOKENS if chat else DEFAULT_COMPLETION_TOKENS, engine.max_context - len(ids))
+    default = min(DEFAULT_CHAT_TOKENS if chat else DEFAULT_COMPLETION_TOKENS, model.max_context - len(ids))
     max_tokens = _number(body, token_name, max(default, 1), int, 1)
-    if len(ids) + max_tokens > engine.max_context:
+    if len(ids) + max_tokens > model.max_context:
         raise ApiError(
             400,
-            f"This model's maximum context length is {engine.max_context} tokens, but {len(ids) + max_tokens} "
+            f"This model's maximum context length is {model.max_context} tokens, but {len(ids) + max_tokens} "
             f"were requested ({len(ids)} in the prompt, {max_tokens} for the completion); "
             f"reduce the prompt or '{token_name}'",
             token_name,

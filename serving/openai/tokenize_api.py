@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..engine import Engine
+from ..text.model_text import ModelText
 from .request import ApiError, chat_text, checked_body, tool_use
 from .request_fields import DETOKENIZE_FIELDS, TOKENIZE_FIELDS
 
@@ -25,20 +25,20 @@ def _flag(body: dict, name: str, default: bool) -> bool:
     return value
 
 
-def _codec(engine: Engine):
-    if engine.codec is None:
+def _codec(model: ModelText):
+    if model.codec is None:
         raise ApiError(400, "this model embeds no tokenizer, so it cannot tokenize or detokenize text")
-    return engine.codec
+    return model.codec
 
 
-def tokenize(body: Any, engine: Engine) -> dict:
+def tokenize(body: Any, model: ModelText) -> dict:
     """The ``/tokenize`` reply to ``body``; tokenizes, so call it off the event loop.
 
     Raises:
         ApiError: 400 for a malformed body (naming the field).
     """
     body = checked_body(body, TOKENIZE_FIELDS, "/tokenize")
-    codec = _codec(engine)
+    codec = _codec(model)
     add_special = _flag(body, "add_special_tokens", True)
     has_prompt, has_messages = body.get("prompt") is not None, body.get("messages") is not None
     if has_prompt == has_messages:
@@ -52,24 +52,24 @@ def tokenize(body: Any, engine: Engine) -> dict:
             raise ApiError(400, "'prompt' must be a string", "prompt")
         text = body["prompt"]
     else:
-        tools = tool_use({"tools": body.get("tools")}, engine)
-        text = chat_text(engine, body["messages"], tools.tools, _flag(body, "add_generation_prompt", True))
+        tools = tool_use({"tools": body.get("tools")}, model)
+        text = chat_text(model, body["messages"], tools.tools, _flag(body, "add_generation_prompt", True))
     tokens = codec.encode(text, add_special_tokens=add_special)
-    return {"tokens": tokens, "count": len(tokens), "max_model_len": engine.max_context}
+    return {"tokens": tokens, "count": len(tokens), "max_model_len": model.max_context}
 
 
-def detokenize(body: Any, engine: Engine) -> dict:
+def detokenize(body: Any, model: ModelText) -> dict:
     """The ``/detokenize`` reply to ``body``.
 
     Raises:
         ApiError: 400 for a malformed body or a token id outside the vocabulary.
     """
     body = checked_body(body, DETOKENIZE_FIELDS, "/detokenize")
-    codec = _codec(engine)
+    codec = _codec(model)
     tokens = body.get("tokens")
     if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
         raise ApiError(400, "'tokens' must be a list of token ids", "tokens")
-    bad = [t for t in tokens if not 0 <= t < engine.vocab_size]
+    bad = model.outside(tokens)
     if bad:
-        raise ApiError(400, f"token ids {bad[:5]} are outside the vocabulary [0, {engine.vocab_size})", "tokens")
+        raise ApiError(400, f"token ids {bad[:5]} are outside the vocabulary [0, {model.vocab_size})", "tokens")
     return {"prompt": codec.decode(tokens)}

@@ -19,8 +19,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-import mlx_pte.runtime.mlx.blas  # noqa: F401  (before mlx.core: fast BLAS)
-import mlx.core as mx
+from mlx_pte.runtime.mlx.bootstrap import mx
 
 from .params import SamplingParams
 

@@ -12,8 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import mlx_pte.runtime.mlx.blas  # noqa: F401  (before mlx.core: fast BLAS)
-import mlx.core as mx
+from mlx_pte.runtime.mlx.bootstrap import mx
 
 @dataclass(frozen=True)
 class TokenLogprob:

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-import mlx_pte.runtime.mlx.blas  # noqa: F401  (before mlx.core: fast BLAS)
-import mlx.core as mx
+from mlx_pte.runtime.mlx.bootstrap import mx
 
 _BITS = mx.arange(32, dtype=mx.uint32)
 

@@ -42,6 +42,18 @@ def test_bucket_is_the_next_power_of_two_within_the_limit():
     assert bucket(20, 24) == 24 and bucket(30, None) == 32
 
 
+def test_buckets_above_256_are_its_multiples():
+    """Brute force: the smallest allowed size (a power of two up to 256, a multiple of 256
+    above) that holds ``n``, capped at the limit; so padding never exceeds 255 tokens there."""
+    allowed = sorted({2**k for k in range(9)} | {256 * m for m in range(1, 20)})
+    for n in range(1, 4097):
+        expected = next(a for a in allowed if a >= n)
+        assert bucket(n, None) == expected
+        assert bucket(n, 2000) == (min(expected, 2000) if n <= 2000 else expected)
+        if n > 256:
+            assert bucket(n, None) - n < 256
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_64_step_decode_compiles_once_per_bucket(fresh_program, kind):
     program = fresh_program("mistral")  # ring layers: the decode runs far past the window

@@ -125,3 +125,14 @@ def test_layers_import_only_downwards():
         "up = [m for m in sys.modules if m.startswith(('mlx_pte.serving', 'mlx_pte.cli', 'mlx_pte.arguments'))]; "
         "assert not up, up",
     )
+
+
+def test_the_command_line_loads_no_tokenizer_template_engine_or_mlx():
+    """``import mlx_pte.cli`` (every ``mlx-pte`` run, ``--help`` included) stays light: the
+    tokenizer, Jinja and MLX load only in the handlers that need them."""
+    code = (
+        "import sys, mlx_pte.cli\n"
+        "heavy = [m for m in ('tokenizers', 'jinja2', 'mlx.core', 'torch') if m in sys.modules]\n"
+        "assert not heavy, heavy\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

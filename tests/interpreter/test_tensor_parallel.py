@@ -16,7 +16,8 @@ import pytest
 from mlx_pte.export.hf_export import export_hf
 from mlx_pte.interpreter.program import load
 from mlx_pte.ir.quantization import QuantSpec
-from mlx_pte.ir.sharding import ShardingError
+from mlx_pte.ir.pte import read_pte
+from mlx_pte.ir.sharding import ShardingError, linear_roles
 from mlx_pte.serving.tensor_parallel import STOP_BOUND_S, write_local_hostfile
 from tests.fixtures.exported import MAX_STEP, exported_pte
 
@@ -81,6 +82,24 @@ def test_ranks_that_do_not_divide_the_kv_heads_are_refused(tmp_path_factory, tin
         load(path, group=_FakeGroup(0, 4))
 
 
+def test_a_file_without_a_plan_splits_by_hf_module_names(tmp_path_factory, tiny_checkpoint):
+    payload = read_pte(exported_pte(tmp_path_factory, tiny_checkpoint, "qwen3"))
+    recorded = linear_roles(payload.graph, payload.manifest)
+    older = linear_roles(payload.graph, {**payload.manifest, "extra": {}})
+    assert older == recorded
+    names = {payload.graph.slots[payload.graph.instructions[i].inputs[1]].name.split(".")[-2]: style
+             for i, style in recorded.items()}
+    assert names == {"q_proj": "colwise", "k_proj": "colwise", "v_proj": "colwise", "o_proj": "rowwise",
+                     "gate_proj": "colwise", "up_proj": "colwise", "down_proj": "rowwise"}
+
+
+def test_a_plan_splitting_a_linear_another_way_is_refused(tmp_path_factory, tiny_checkpoint):
+    payload = read_pte(exported_pte(tmp_path_factory, tiny_checkpoint, "llama"))
+    plan = {**payload.manifest["extra"]["tp_plan"], "layers.*.self_attn.q_proj": "local_colwise"}
+    with pytest.raises(ShardingError, match="splits 'layers.\\*.self_attn.q_proj' as 'local_colwise'"):
+        linear_roles(payload.graph, {**payload.manifest, "extra": {"tp_plan": plan}})
+
+
 def _cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "mlx_pte", *args]
 
@@ -93,6 +112,18 @@ def test_run_with_tp_prints_the_single_process_text(tmp_path_factory, tiny_check
     two = subprocess.run(_cli(*args, "--tp", "2"), env=env, capture_output=True, text=True, timeout=2 * START_S)
     assert one.returncode == 0 and two.returncode == 0, two.stderr
     assert two.stdout == one.stdout and one.stdout.startswith("def f(x):")
+
+
+def test_bench_with_tp_reports_the_bytes_each_rank_sums(tmp_path_factory, tiny_checkpoint):
+    path = exported_pte(tmp_path_factory, tiny_checkpoint, "llama")
+    config = load(path).manifest["config"]
+    # Two fp32 hidden vectors per layer (after o_proj and down_proj), and one int32 token id.
+    want = 2 * config["num_hidden_layers"] * config["hidden_size"] * 4 + 4
+    done = subprocess.run(_cli("bench", str(path), "--prompt-tokens", "8", "--generate", "4", "--repeats", "1",
+                               "--tp", "2"), env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True,
+                          text=True, timeout=2 * START_S)
+    assert done.returncode == 0, done.stderr
+    assert f"each all-sums {want:,} bytes per token" in done.stdout
 
 
 def test_run_prompts_with_tp_prints_the_single_process_replies(tmp_path, tmp_path_factory, tiny_checkpoint):
