@@ -1,9 +1,10 @@
 """Catalog entries of mixture-of-experts models: the router's ``topk`` and the routed
-``experts``. Imported by ``ir.catalog``, whose ``define`` they use."""
+``experts`` (plain and quantized). Imported by ``ir.catalog``, whose ``define`` they use."""
 from __future__ import annotations
 
 from typing import Optional
 
+from . import quantization
 from .catalog import AttrSpec, OpSpec, define
 from .errors import FormatError
 from .graph import Graph, Instruction, TensorType
@@ -45,7 +46,12 @@ define(
 
 def _check_experts(instr: Instruction, graph: Graph) -> None:
     where = f"instruction {instr.op!r}"
-    x, indices, weights, gate_up, down = (_static_shape(graph, s) for s in instr.inputs)
+    x, indices, weights = (_static_shape(graph, s) for s in instr.inputs[:3])
+    if instr.op == "experts":
+        gate_up, down = (_static_shape(graph, s) for s in instr.inputs[3:])
+    else:
+        gate_up, down = (quantization.read_constant(instr, graph, at).shape
+                         for at in quantization.packed_positions(instr.op))  # fmt: skip
     if None in (x, indices, weights, gate_up, down):
         return
     if len(gate_up) != 3 or len(down) != 3:
@@ -75,4 +81,16 @@ define(
         output_rule=_EXPERTS_RULE,
         check=_check_experts,
     )
+)
+define(
+    OpSpec(
+        "quantized_experts",
+        ("x", "indices", "weights", "gate_up", "gate_up_scales", "gate_up_biases?", "down", "down_scales",
+         "down_biases?"),
+        (AttrSpec("activation", "str", choices=EXPERT_ACTIVATIONS), AttrSpec("group_size", "int"),
+         AttrSpec("bits", "int"), AttrSpec("mode", "str")),
+        output_rule=_EXPERTS_RULE + "; each weight replaced by its packed parts, every expert packed as a "
+        "quantized_linear weight (MLX: gather_qmm)",
+        check=_check_experts,
+    )  # fmt: skip
 )
