@@ -27,7 +27,10 @@ whole-step prototype (``--whole-step``), mlx-lm, HF eager (a loop of forwards wi
 dynamic cache) and HF static (``generate`` with a static cache, which transformers
 compiles). Every engine decodes greedily from the same random prompt ids without stopping
 at eos; prefill time covers the prompt's forward and the first token, decode time the rest.
-mlx-pte rows also give the decode step's host ms (building its lazy graph) and device ms
+The mlx-pte and mlx-lm rows run interleaved, ``--rounds`` times (default 5; each round runs
+every engine once, in turn): the table gives the medians of their rates and, below it, the
+median of the per-round ratios, the figure that survives the device's drift (bench/rounds.py).
+HF rows run once, after the rounds. mlx-pte rows also give the decode step's host ms (building its lazy graph) and device ms
 (``mx.eval`` of it with nothing else in flight): see bench/step_split.py.
 """
 from __future__ import annotations
@@ -42,10 +45,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
-from decode_table import Rates, print_table
+from decode_table import Key, Rates, print_table
+from rounds import median_rates, print_round_ratios, run_rounds
 from step_split import host_device_ms
 from variants import FULL_PRECISION, bits_of, load_mlx_lm, parse_pte
 
@@ -146,31 +151,42 @@ def check_mlx_device(wheels: bool) -> str:
     return str(device)
 
 
-def bench_mlx_pte(program, prompt: list[int], n: int, capacity: int, capture: bool) -> Rates:
+Runner = Callable[[], Rates]  # one timed run of an engine, warmed up already
+
+
+def mlx_pte_runner(program, prompt: list[int], n: int, capacity: int, capture: bool) -> Runner:
     from mlx_pte import Session, generate
 
     def session():
         return Session(program, capacity=capacity, kv_dtype="bfloat16", capture=capture)
 
     generate(session(), prompt, max_new_tokens=n, stop_on_eos=False)  # warm-up: compiles every bucket once
-    before = program.compilations
-    r = generate(session(), prompt, max_new_tokens=n, stop_on_eos=False)
-    timing = session()
-    host, device = host_device_ms(lambda t: timing.forward(t, evaluate=False), prompt, n - 1, timing.max_step)
-    if program.compilations != before:
-        print(f"warning: the timed runs compiled {program.compilations - before} segments", flush=True)
-    return Rates(r.prefill_tps, r.decode_tps, host, device)
+
+    def run() -> Rates:
+        before = program.compilations
+        r = generate(session(), prompt, max_new_tokens=n, stop_on_eos=False)
+        timing = session()
+        host, device = host_device_ms(lambda t: timing.forward(t, evaluate=False), prompt, n - 1, timing.max_step)
+        if program.compilations != before:
+            print(f"warning: the timed run compiled {program.compilations - before} segments", flush=True)
+        return Rates(r.prefill_tps, r.decode_tps, host, device)
+
+    return run
 
 
-def bench_mlx_pte_whole(program, prompt: list[int], n: int, capacity: int) -> Rates:
+def mlx_pte_whole_runner(program, prompt: list[int], n: int, capacity: int) -> Runner:
     """The whole-step prototype (``bench/capture_modes.py``): one compiled function per step,
     fixed-size K/V buffers written at an array offset and read whole through an array mask."""
     from capture_modes import WholeStep, generate_whole
 
     generate_whole(program, prompt, n, capacity)  # warm-up: compiles prefill and decode
-    prefill, decode = generate_whole(program, prompt, n, capacity)
-    host, device = host_device_ms(WholeStep(program, capacity).forward, prompt, n - 1, len(prompt))
-    return Rates(prefill, decode, host, device)
+
+    def run() -> Rates:
+        prefill, decode = generate_whole(program, prompt, n, capacity)
+        host, device = host_device_ms(WholeStep(program, capacity).forward, prompt, n - 1, len(prompt))
+        return Rates(prefill, decode, host, device)
+
+    return run
 
 
 def profile_mlx_pte(program, prompt: list[int], n: int, capacity: int, top: int, capture: bool) -> None:
@@ -192,22 +208,22 @@ def profile_mlx_pte(program, prompt: list[int], n: int, capacity: int, top: int,
     pstats.Stats(profiler).sort_stats("tottime").print_stats(top)
 
 
-def bench_mlx_lm(model_dir: Path, prompt: list[int], n: int, bits, group_size: int) -> Rates:
+def mlx_lm_runner(model_dir: Path, prompt: list[int], n: int, bits, group_size: int) -> Runner:
     import mlx.core as mx
     from mlx_lm.generate import generate_step
 
     model = load_mlx_lm(model_dir, "bfloat16", bits, group_size)
 
-    def run(ids, count):
+    def run() -> Rates:
         t0 = time.perf_counter()
         first = t0
-        for i, _ in zip(range(count), generate_step(mx.array(ids), model, max_tokens=count)):
+        for i, _ in zip(range(n), generate_step(mx.array(prompt), model, max_tokens=n)):
             if i == 0:
                 first = time.perf_counter()
-        return Rates(len(ids) / (first - t0), (count - 1) / (time.perf_counter() - first))
+        return Rates(len(prompt) / (first - t0), (n - 1) / (time.perf_counter() - first))
 
-    run(prompt, n)
-    return run(prompt, n)
+    run()  # warm-up
+    return run
 
 
 def load_hf_cuda(model_dir: Path):
@@ -289,6 +305,8 @@ def main() -> None:
     parser.add_argument("--generate", type=int, default=64, help="tokens to generate (at least 2)")
     parser.add_argument("--capacity", type=int, help="mlx-pte cache capacity and the whole step's buffer size "
                                                      "(default: prompt + generate)")
+    parser.add_argument("--rounds", type=int, default=5,
+                        help="interleaved rounds: each runs every engine once, in turn (default 5)")
     parser.add_argument("--capture", choices=["on", "off", "both"], default="both",
                         help="mlx-pte with capture (compiled segments), without (the walk), or both rows")
     parser.add_argument("--whole-step", action="store_true",
@@ -302,6 +320,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.generate < 2:
         parser.error("--generate must be at least 2 (decode speed needs a token after the first)")
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
     labelled = [parse_pte(arg, "bf16") for arg in args.pte]
     if len({label for label, _ in labelled}) != len(labelled):
         parser.error("each --pte needs its own LABEL")
@@ -326,36 +346,33 @@ def main() -> None:
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     prompt = np.random.default_rng(0).integers(0, vocab, args.prompt).tolist()
     captures = {"on": [True], "off": [False], "both": [True, False]}[args.capture]
-    rows: dict[tuple[str, str], Rates] = {}
-
-    def record(key: tuple[str, str], rates: Rates) -> None:
-        rows[key] = rates
-        print(f"{key[0]} {key[1]}: prefill {rates.prefill_tps:.1f} tok/s, decode {rates.decode_tps:.2f} tok/s",
-              flush=True)
-
+    runners: dict[Key, Runner] = {}
     for label, pte in ptes.items():
         if "mlx-pte" not in args.skip:
             program = load(pte)
             for capture in captures:
-                record(("mlx-pte" if capture else "mlx-pte-walk", label),
-                       bench_mlx_pte(program, prompt, args.generate, capacity, capture))
+                runners["mlx-pte" if capture else "mlx-pte-walk", label] = mlx_pte_runner(
+                    program, prompt, args.generate, capacity, capture)
             if args.whole_step:
-                record(("mlx-pte-whole", label), bench_mlx_pte_whole(program, prompt, args.generate, capacity))
-            del program
+                runners["mlx-pte-whole", label] = mlx_pte_whole_runner(program, prompt, args.generate, capacity)
         if "mlx-lm" not in args.skip:
-            record(("mlx-lm", label), bench_mlx_lm(model_dir, prompt, args.generate, bits_of(label), args.group_size))
+            runners["mlx-lm", label] = mlx_lm_runner(model_dir, prompt, args.generate, bits_of(label),
+                                                     args.group_size)
+    rounds = run_rounds(runners, args.rounds)
+    rows = {key: median_rates(per_round) for key, per_round in rounds.items()}
     full = next((label for label in ptes if label in FULL_PRECISION), "bf16")
     if "hf" not in args.skip:
-        record(("hf-eager", full), bench_hf(model_dir, prompt, args.generate))
+        rows["hf-eager", full] = bench_hf(model_dir, prompt, args.generate)
     if "hf-static" not in args.skip:
-        record(("hf-static", full), bench_hf_static(model_dir, prompt, args.generate))
+        rows["hf-static", full] = bench_hf_static(model_dir, prompt, args.generate)
 
     import torch
 
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA"
     print_table(f"{model_dir.name}: prompt {args.prompt}, generate {args.generate}, bfloat16 activations, "
                 f"groups of {args.group_size}, mlx-pte capacity {capacity}, MLX {mx.__version__} on {device}, "
-                f"torch {torch.__version__} on {gpu}", rows)
+                f"torch {torch.__version__} on {gpu}; medians of {args.rounds} interleaved rounds", rows)
+    print_round_ratios(rounds)
     if args.profile and "mlx-pte" not in args.skip:
         program = load(next(iter(ptes.values())))
         for capture in captures:

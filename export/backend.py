@@ -1,8 +1,11 @@
 """The ExecuTorch backend: ``preprocess`` turns the delegated edge program into the MLX
-payload (IR graph + weights + manifest) that the interpreter runs.
+payload (IR graph + manifest) that the interpreter runs, its weights streamed into the
+program's named data (``weight_writer``).
 
 Two compile specs (JSON) reach ``preprocess``: the manifest to store, and the program's
 ``Signature`` (input/output order and dynamic ranges, which the delegated program lacks).
+The manifest also carries the lowering's options: ``quantization``, and
+``extra["projections"] = "separate"`` when projections are not fused (``SEPARATE``).
 """
 from __future__ import annotations
 
@@ -15,15 +18,20 @@ from executorch.exir.backend.compile_spec_schema import CompileSpec
 from executorch.exir.lowered_backend_module import LoweredBackendModule
 from torch.export import ExportedProgram
 
-from mlx_pte.ir.payload import encode_payload
+from executorch.exir._serialize._named_data_store import NamedDataStore
+
+from mlx_pte.ir.payload import WEIGHTS_ALIGNMENT, WEIGHTS_KEY, encode_external_payload
 from mlx_pte.ir.pte import BACKEND_ID
 from mlx_pte.ir.quantization import QuantSpec
 
 from .errors import ExportError
 from .lowering import Signature, lower_program
+from .weight_writer import active_sink, write_weights
 
 MANIFEST_SPEC = "manifest"
 SIGNATURE_SPEC = "signature"
+# The manifest's extra["projections"] of an export whose linears are not fused.
+SEPARATE = "separate"
 
 
 def compile_specs(manifest: Mapping[str, Any], signature: Signature) -> list[CompileSpec]:
@@ -68,8 +76,16 @@ class MLXPteBackend(BackendDetails):
             edge_program,
             Signature.from_json(_spec(compile_specs, SIGNATURE_SPEC)),
             None if quantization is None else QuantSpec.from_dict(quantization),
+            fused_projections=manifest.get("extra", {}).get("projections") != SEPARATE,
         )
-        return PreprocessResult(encode_payload(graph, constants, manifest))
+        sink = active_sink()
+        placed, size, weights = write_weights(graph, constants, sink)
+        store = NamedDataStore()
+        store.add_named_data(WEIGHTS_KEY, weights, alignment=WEIGHTS_ALIGNMENT)
+        return PreprocessResult(
+            encode_external_payload(graph, placed, size, manifest),
+            data_store_output=store.get_named_data_store_output(),
+        )
 
 
 assert MLXPteBackend.__name__ == BACKEND_ID  # executorch finds backends by class name

@@ -17,7 +17,7 @@ from .fusion_glu import match_glu
 from .fusion_match import LowerFn, Matcher
 from .fusion_norm import match_rms_norm
 from .fusion_rope import match_rope
-from .graph_builder import ep_constant
+from .graph_builder import constant_source
 
 _MATCHERS: tuple[Matcher, ...] = (match_rms_norm, match_rope, match_glu)
 
@@ -50,6 +50,6 @@ def find_fusions(ep: ExportedProgram) -> Fusions:
                 break
     constants = [
         n for n in ep.graph.nodes
-        if n.op == "placeholder" and n.users and set(n.users) <= absorbed and ep_constant(ep, n) is not None
+        if n.op == "placeholder" and n.users and set(n.users) <= absorbed and constant_source(ep, n) is not None
     ]  # fmt: skip
     return Fusions(roots, frozenset(absorbed.union(constants)))

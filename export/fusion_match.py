@@ -14,7 +14,7 @@ import torch
 from torch.export import ExportedProgram
 from torch.fx import Node
 
-from .graph_builder import Builder, ep_constant, node_args, target_key, value_of
+from .graph_builder import Builder, constant_source, ep_constant, node_args, target_key, value_of
 
 aten = torch.ops.aten
 
@@ -86,8 +86,8 @@ def scalar_value(ep: ExportedProgram, x: Any) -> Optional[float]:
     """``x`` as a Python float when it is a number or a 0-d constant tensor."""
     if isinstance(x, (int, float)) and not isinstance(x, bool):
         return float(x)
-    tensor = ep_constant(ep, x) if isinstance(x, Node) else None
-    return float(tensor.item()) if tensor is not None and tensor.dim() == 0 else None
+    source = constant_source(ep, x) if isinstance(x, Node) else None
+    return float(source.tensor().item()) if source is not None and not source.shape else None
 
 
 def plain_cast(node: Any) -> bool:

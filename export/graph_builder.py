@@ -2,7 +2,7 @@
 constants and dynamic sizes, shared by every lowering in ``op_lowerings``."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Mapping, Optional, Union
+from typing import Any, Mapping, Optional, Union
 
 import numpy as np
 import sympy
@@ -18,20 +18,8 @@ from mlx_pte.ir.catalog import lookup
 from mlx_pte.ir.graph import Dim, Graph, Instruction, ScalarType, SlotKind, SlotRef, SymDim, TensorType
 from mlx_pte.ir.quantization import QuantSpec
 
-if TYPE_CHECKING:
-    from .quantize import PackedWeight
-
-DTYPE_NAMES: dict[torch.dtype, str] = {
-    torch.float32: "float32",
-    torch.float16: "float16",
-    torch.bfloat16: "bfloat16",
-    torch.int64: "int64",
-    torch.int32: "int32",
-    torch.int16: "int16",
-    torch.int8: "int8",
-    torch.uint8: "uint8",
-    torch.bool: "bool",
-}
+from .tensor_source import DTYPE_NAMES, ArraySource, CastSource, TensorSource
+from .weight_writer import ConstantData, active_sink
 
 Size = Union[int, SlotRef]
 _CONSTANT_KINDS = (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR)
@@ -89,13 +77,25 @@ def norm_dim(dim: int, rank: int) -> int:
     return dim % rank if rank else 0
 
 
-def ep_constant(ep: ExportedProgram, node: Node) -> Optional[torch.Tensor]:
-    """The tensor behind a parameter, buffer or lifted-constant placeholder of ``ep``
-    (None for any other node)."""
+def constant_source(ep: ExportedProgram, node: Node) -> Optional[TensorSource]:
+    """Where the value of a parameter, buffer or lifted-constant placeholder of ``ep``
+    comes from: the streamed checkpoint tensor when the export streams it
+    (``weight_writer``), else the program's own tensor (None for any other node)."""
     spec = next((s for s in ep.graph_signature.input_specs if s.arg.name == node.name), None)
     if node.op != "placeholder" or spec is None or spec.kind not in _CONSTANT_KINDS:
         return None
-    return ep.state_dict[spec.target] if spec.target in ep.state_dict else ep.constants[spec.target]
+    streamed = active_sink().sources.get(spec.target)
+    if streamed is not None:
+        return streamed
+    return ArraySource(ep.state_dict[spec.target] if spec.target in ep.state_dict else ep.constants[spec.target])
+
+
+def ep_constant(ep: ExportedProgram, node: Node) -> Optional[torch.Tensor]:
+    """The value behind a constant placeholder of ``ep`` (None for any other node); a
+    streamed weight is read, so callers ask only for values they fold (norm weights,
+    scalars)."""
+    source = constant_source(ep, node)
+    return None if source is None else source.tensor()
 
 
 def is_number(x: Any) -> bool:
@@ -113,9 +113,10 @@ class Builder:
         self.ep = ep
         self.ranges = {sym: override_range(r, dim_ranges.get(str(sym))) for sym, r in ep.range_constraints.items()}
         self.graph = Graph()
-        self.constants: dict[int, np.ndarray] = {}
+        self.constants: dict[int, ConstantData] = {}
         self.slots: dict[Node, Union[int, tuple[int, ...]]] = {}
         # quantized weight placeholder -> (QuantSpec, weight, scales, biases or None) slots
+        # (filled by ``export.quantize.add_quantized``)
         self.quantized: dict[Node, tuple[QuantSpec, int, int, Optional[int]]] = {}
         self._casts: dict[tuple[int, str], int] = {}
         self._scalars: dict[tuple[str, float], int] = {}
@@ -138,20 +139,18 @@ class Builder:
 
     # -- slots --------------------------------------------------------------------
     def add_constant(self, name: str, tensor: torch.Tensor) -> int:
-        flat = tensor.detach().contiguous().reshape(-1)
-        return self.add_constant_bytes(name, self.tensor_type(tensor), flat.view(torch.uint8).numpy())
+        return self.add_source(name, ArraySource(tensor))
 
-    def add_constant_bytes(self, name: str, type: TensorType, data: np.ndarray) -> int:
-        """A constant slot of ``type`` holding ``data``'s C-order bytes (sized for the type)."""
+    def add_source(self, name: str, source: TensorSource) -> int:
+        """A constant slot holding ``source``'s value, read when the payload is written."""
+        return self.add_constant_bytes(name, TensorType(source.dtype, tuple(source.shape)), source)
+
+    def add_constant_bytes(self, name: str, type: TensorType, data: ConstantData) -> int:
+        """A constant slot of ``type`` holding ``data``'s C-order bytes (sized for the type),
+        or a source producing them."""
         slot = self.graph.add_slot(name, SlotKind.CONSTANT, type)
-        self.constants[slot] = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+        self.constants[slot] = np.ascontiguousarray(data).reshape(-1).view(np.uint8) if isinstance(data, np.ndarray) else data
         return slot
-
-    def add_quantized(self, node: Node, name: str, packed: "PackedWeight") -> None:
-        """``node``'s weight as its packed parts: constants ``name``, ``name.scales`` and
-        ``name.biases`` (affine only), read by the quantized ops that replace its users."""
-        slots = [self.add_constant_bytes(name + suffix, t, a) for suffix, t, a in packed.parts()]
-        self.quantized[node] = (packed.spec, *slots, *([None] * (3 - len(slots))))
 
     def emit(self, op: str, inputs: tuple, attrs: dict[str, Any], name: str, types: list) -> list[int]:
         outs = [self.graph.add_slot(f"{name}" if len(types) == 1 else f"{name}.{i}", SlotKind.TEMP, t)
@@ -182,9 +181,9 @@ class Builder:
             return slot
         if (slot, name) not in self._casts and self.graph.slots[slot].kind is SlotKind.CONSTANT:
             # A constant is converted here once (torch rounds as MLX's astype does), not per run.
-            value = ep_constant(self.ep, arg)
-            if value is not None:
-                self._casts[slot, name] = self.add_constant(f"{self.graph.slots[slot].name}.{name}", value.to(dtype))
+            source = constant_source(self.ep, arg)
+            if source is not None:
+                self._casts[slot, name] = self.add_source(f"{self.graph.slots[slot].name}.{name}", CastSource(source, name))
         if (slot, name) not in self._casts:
             src = self.slot_type(slot)
             (self._casts[slot, name],) = self.emit(

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from safetensors import SafetensorError
@@ -24,7 +24,11 @@ from transformers import (
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from .hf_errors import CheckpointError, ExportOptionError
+from .hf_experts import route_experts
+from .safetensors_file import CheckpointTensor, SafetensorsFiles
+from .tensor_source import DTYPE_NAMES
 
+# The dtypes a model exports in.
 TORCH_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
@@ -142,6 +146,121 @@ def load_checkpoint(model_dir: Path | str) -> HFCheckpoint:
     )
 
 
+class StoredLayoutDiffers(CheckpointError):
+    """The checkpoint's tensors are not the model's parameters one to one (transformers
+    renames or merges them on load, as it merges per-expert MoE weights): the skeleton
+    cannot name a tensor for each placeholder, and the model is loaded whole instead."""
+
+
+# The attribute of a skeleton's placeholder tensor naming where its value comes from.
+_SOURCE_ATTR = "_mlx_pte_source"
+
+
+def load_skeleton(checkpoint: HFCheckpoint, dtype: str, attn_implementation: str) -> torch.nn.Module:
+    """The checkpoint's causal LM as ``load_model`` gives it, without its weights.
+
+    Tracing needs each weight's shape and dtype, never its value, so every parameter (and
+    every persistent buffer) is a placeholder holding no memory: one element broadcast to
+    its shape, on the CPU like the real one, so the traced graph is exactly the one the
+    real model gives. Each placeholder names its checkpoint tensor (``weight_sources``),
+    read only when the exporter writes it. Non-persistent buffers (rotary frequencies,
+    embedding scales) are not in the checkpoint; they are computed as ``from_pretrained``
+    computes them.
+
+    Raises:
+        ExportOptionError: an unknown dtype.
+        StoredLayoutDiffers: the checkpoint stores the weights under other names.
+        CheckpointError: a weight the model needs is missing from the checkpoint or has
+            another shape there.
+    """
+    if dtype not in TORCH_DTYPES:
+        raise ExportOptionError(f"dtype must be one of {', '.join(TORCH_DTYPES)}, got {dtype!r}")
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(
+                checkpoint.config, dtype=TORCH_DTYPES[dtype], attn_implementation=attn_implementation
+            )
+    # torch asserts its own preconditions, such as a config pad_token_id inside the embedding.
+    except (ValueError, KeyError, RuntimeError, AssertionError) as exc:
+        raise CheckpointError(f"the model in {checkpoint.path} does not build: {_one_line(exc)}") from None
+    _compute_non_persistent_buffers(model)
+    route_experts(model)
+    files = SafetensorsFiles(checkpoint.path)
+    placeholders: dict[int, torch.Tensor] = {}
+    persistent = [n for n, _ in model.named_buffers() if n not in dict(model.named_non_persistent_buffers())]
+    for name in [n for n, _ in model.named_parameters(remove_duplicate=False)] + persistent:
+        parent, _, attr = name.rpartition(".")
+        owner = model.get_submodule(parent)
+        table = owner._parameters if attr in owner._parameters else owner._buffers
+        meta = table[attr]
+        if id(meta) not in placeholders:
+            placeholders[id(meta)] = _placeholder(meta, _checkpoint_tensor(model, files, meta, name))
+        table[attr] = placeholders[id(meta)]
+    return model.eval()
+
+
+def _compute_non_persistent_buffers(model: torch.nn.Module) -> None:
+    """Give the meta model's non-persistent buffers their values, as ``from_pretrained``
+    does: real storage, then the model's own initialisation of them."""
+    for name, buffer in list(model.named_non_persistent_buffers()):
+        parent, _, attr = name.rpartition(".")
+        model.get_submodule(parent)._buffers[attr] = torch.empty_like(buffer, device="cpu")
+    for param in model.parameters():
+        param._is_hf_initialized = True  # meta placeholders: nothing to initialise
+    for module in model.modules():
+        module._is_hf_initialized = False
+    model.initialize_weights()
+
+
+def _checkpoint_tensor(model: torch.nn.Module, files: SafetensorsFiles, meta: torch.Tensor, name: str) -> CheckpointTensor:
+    """Where the value of ``name`` (or of any name tied to it) is stored."""
+    aliases = [n for n, p in [*model.named_parameters(remove_duplicate=False), *model.named_buffers()] if p is meta]
+    key = next((n for n in aliases if n in files), None)
+    if key is None and set(files.names()) - {n for n, _ in model.state_dict(keep_vars=True).items()}:
+        raise StoredLayoutDiffers(
+            f"the checkpoint stores {name!r} under other names (transformers converts them on load)"
+        )
+    if key is None:
+        raise CheckpointError(
+            f"the checkpoint has no tensor {name!r} (nor {', '.join(repr(a) for a in aliases if a != name) or 'an alias'}); "
+            "it was saved from another architecture or is incomplete"
+        )
+    stored = files.names()[key]
+    if stored != tuple(meta.shape):
+        raise CheckpointError(
+            f"the checkpoint's {key!r} has shape {list(stored)}, the config needs {list(meta.shape)}; "
+            "config.json and the weights disagree"
+        )
+    return CheckpointTensor(files, key, tuple(meta.shape), DTYPE_NAMES[meta.dtype])
+
+
+class _PlaceholderParameter(torch.nn.Parameter):
+    """A parameter holding no memory. ``nn.Parameter`` deep-copies through a dense clone,
+    which would allocate the whole weight each time ExecuTorch copies the program; a
+    placeholder copies as another placeholder."""
+
+    def __deepcopy__(self, memo: dict) -> "_PlaceholderParameter":
+        if id(self) not in memo:
+            memo[id(self)] = _placeholder(self, getattr(self, _SOURCE_ATTR, None))
+        return memo[id(self)]
+
+
+def _placeholder(like: torch.Tensor, source: Optional[CheckpointTensor]) -> torch.Tensor:
+    """One element broadcast to ``like``'s shape, naming ``source``."""
+    value = torch.empty((), dtype=like.dtype).expand(like.shape)
+    tensor = _PlaceholderParameter(value, requires_grad=False) if isinstance(like, torch.nn.Parameter) else value
+    if source is not None:
+        setattr(tensor, _SOURCE_ATTR, source)
+    return tensor
+
+
+def weight_sources(module: torch.nn.Module) -> dict[str, CheckpointTensor]:
+    """The checkpoint tensor behind each placeholder of a skeleton (``load_skeleton``) under
+    ``module``, by its state-dict name in ``module`` (tied names each listed)."""
+    named = [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
+    return {name: getattr(t, _SOURCE_ATTR) for name, t in named if hasattr(t, _SOURCE_ATTR)}
+
+
 def load_model(checkpoint: HFCheckpoint, dtype: str, attn_implementation: str) -> torch.nn.Module:
     """The checkpoint's causal LM in eval mode, in ``dtype``, with the given attention.
 
@@ -163,4 +282,5 @@ def load_model(checkpoint: HFCheckpoint, dtype: str, attn_implementation: str) -
         raise CheckpointError(
             f"the weights in {checkpoint.path} do not load: {_one_line(exc)}"
         ) from None
+    route_experts(model)
     return model.eval()

@@ -14,6 +14,7 @@ from torch.fx import Node
 
 from mlx_pte.ir.graph import Graph, SlotKind, TensorType
 from mlx_pte.ir.quantization import QuantSpec
+from mlx_pte.ir.fuse_projections import fuse_projections
 from mlx_pte.ir.passes import simplify
 
 from .errors import ExportError
@@ -22,7 +23,7 @@ from .graph_builder import (
     DTYPE_NAMES,
     Builder,
     DimRange,
-    ep_constant,
+    constant_source,
     is_tensor,
     range_bounds,
     target_key,
@@ -30,7 +31,8 @@ from .graph_builder import (
     value_of,
 )
 from .op_lowerings import LOWERINGS
-from .quantize import plan_quantization
+from .quantize import add_quantized, plan_quantization
+from .tensor_source import concat_sources
 
 
 def dim_ranges(ep: ExportedProgram) -> dict[str, DimRange]:
@@ -88,7 +90,10 @@ class Signature:
 
 
 def lower_program(
-    ep: ExportedProgram, signature: Signature, quantization: Optional[QuantSpec] = None
+    ep: ExportedProgram,
+    signature: Signature,
+    quantization: Optional[QuantSpec] = None,
+    fused_projections: bool = True,
 ) -> tuple[Graph, dict[int, np.ndarray]]:
     """Lower every node of ``ep`` (an edge program the partitioner accepted).
 
@@ -97,9 +102,12 @@ def lower_program(
         signature: its input/output order and dynamic ranges.
         quantization: quantize linear and embedding weights to this type
             (``export.quantize``); None keeps every weight as it is.
+        fused_projections: fuse the linears that read one input (q/k/v, gate/up) into one
+            matmul and a split (``ir.fuse_projections``); False keeps one matmul each.
 
     Returns:
-        The graph (fused at lowering, then simplified: ``ir.passes``) and its constants:
+        The graph (fused at lowering, projections fused, then simplified: ``ir.passes``)
+        and its constants:
         slot → the constant's raw bytes (uint8, row-major).
 
     Raises:
@@ -114,7 +122,7 @@ def lower_program(
         if node in fusions.absorbed:
             continue
         if node in packed:
-            b.add_quantized(node, specs[node.name].target, packed[node])
+            add_quantized(b, node, specs[node.name].target, packed[node])
         elif node.op == "placeholder":
             _lower_placeholder(b, node, specs[node.name])
         elif node.op == "call_function":
@@ -129,7 +137,8 @@ def lower_program(
         if name not in by_name or not isinstance(b.graph.slots[by_name[name]].type, TensorType):
             raise ExportError(f"output {i} ({name}) is not a tensor computed by forward(); return computed tensors only")
         b.graph.outputs.append(by_name[name])
-    return simplify(b.graph, b.constants)
+    graph, constants = fuse_projections(b.graph, b.constants, concat_sources) if fused_projections else (b.graph, b.constants)
+    return simplify(graph, constants)
 
 
 def _lower_placeholder(b: Builder, node: Node, spec: Any) -> None:
@@ -145,4 +154,6 @@ def _lower_placeholder(b: Builder, node: Node, spec: Any) -> None:
         raise ExportError(f"input {node.name!r} of kind {spec.kind.name} cannot be lowered")
     if not node.users:
         return
-    b.slots[node] = b.add_constant(spec.target, ep_constant(b.ep, node))
+    source = constant_source(b.ep, node)
+    assert source is not None  # a constant kind, checked above
+    b.slots[node] = b.add_source(spec.target, source)

@@ -551,3 +551,6 @@ def _update_and_attend(b: Builder, node: Node) -> None:
 
 
 _register(torch.ops.llm.update_and_attend.default, _update_and_attend)
+
+
+from . import moe_lowerings  # noqa: E402,F401  (registers topk and llm::experts; it builds on _register)

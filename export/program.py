@@ -6,7 +6,7 @@ from __future__ import annotations
 import glob
 import os
 from pathlib import Path
-from typing import Any, Mapping, Optional, Sequence, Union
+from typing import Any, BinaryIO, Callable, Mapping, Optional, Sequence, Union
 
 import torch
 from executorch.exir import EdgeCompileConfig, to_edge_transform_and_lower
@@ -14,10 +14,12 @@ from torch.export import ExportedProgram
 
 from mlx_pte.ir.quantization import QuantSpec
 
-from .backend import drop_preprocess_specs
+from .backend import SEPARATE, drop_preprocess_specs
 from .errors import OutputPathError
 from .lowering import dim_ranges
 from .partitioner import MLXPtePartitioner
+from .tensor_source import TensorSource
+from .weight_writer import PARTIAL_SUFFIX, Progress, WeightSink, streaming
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -27,11 +29,15 @@ def export_program(
     out: PathLike,
     manifest: Optional[Mapping[str, Any]] = None,
     quantization: Optional[QuantSpec] = None,
+    fused_projections: bool = True,
+    sources: Optional[Mapping[str, TensorSource]] = None,
+    progress: Optional[Progress] = None,
 ) -> Path:
     """Lower ``ep`` to the MLX backend and write the ``.pte`` to ``out``.
 
     The file is written atomically (see ``write_atomically``): on any failure nothing is left
-    at ``out``.
+    at ``out``. Weights go through a temporary file beside ``out`` one at a time
+    (``weight_writer``), so the export never holds them all.
 
     Args:
         ep: an ATen-dialect program from ``torch.export.export``.
@@ -40,6 +46,12 @@ def export_program(
             (see ``ir.manifest.Manifest``); ``{}`` when omitted.
         quantization: quantize linear and embedding weights to this type (see
             ``export.quantize``; recorded as the manifest's ``quantization``).
+        fused_projections: one matmul for the linears that read one input (q/k/v,
+            gate/up; ``ir.fuse_projections``); False keeps one each (recorded as the
+            manifest's ``extra["projections"] = "separate"``).
+        sources: where the values of ``ep``'s placeholder weights come from, by
+            state-dict name (a program traced from ``hf_checkpoint.load_skeleton``).
+        progress: called after each constant is written (name, index, count).
 
     Returns:
         The path written.
@@ -50,15 +62,29 @@ def export_program(
     manifest = dict(manifest or {})
     if quantization is not None:
         manifest["quantization"] = quantization.to_dict()
-    edge = to_edge_transform_and_lower(
-        ep,
-        partitioner=[MLXPtePartitioner(manifest, dim_ranges(ep))],
-        # Non-core ops (linear, rms_norm, the custom op) must survive to the partitioner.
-        compile_config=EdgeCompileConfig(_check_ir_validity=False, _skip_dim_order=True),
-    )
-    drop_preprocess_specs(edge.exported_program().graph_module)
-    buffer = edge.to_executorch().buffer
-    return write_atomically(Path(out), buffer)
+    if not fused_projections:
+        manifest["extra"] = {**manifest.get("extra", {}), "projections": SEPARATE}
+    out = Path(out)
+    check_writable(out)
+    sink = WeightSink(out, dict(sources or {}), progress)
+    try:
+        with streaming(sink):
+            edge = to_edge_transform_and_lower(
+                ep,
+                partitioner=[MLXPtePartitioner(manifest, dim_ranges(ep))],
+                # Non-core ops (linear, rms_norm, the custom op) must survive to the partitioner.
+                compile_config=EdgeCompileConfig(_check_ir_validity=False, _skip_dim_order=True),
+            )
+        drop_preprocess_specs(edge.exported_program().graph_module)
+        program = edge.to_executorch()
+
+        def write(f: BinaryIO) -> None:
+            program.write_to_file(f)
+            sink.remove_files()  # the .pte holds the weights now
+
+        return write_atomically(out, write)
+    finally:
+        sink.remove_files()
 
 
 def export_module(
@@ -68,6 +94,7 @@ def export_module(
     dynamic_shapes: Optional[Any] = None,
     manifest: Optional[Mapping[str, Any]] = None,
     quantization: Optional[QuantSpec] = None,
+    fused_projections: bool = True,
 ) -> Path:
     """``torch.export`` ``module`` (non-strict) on ``example_inputs``, then ``export_program``.
 
@@ -76,17 +103,17 @@ def export_module(
         example_inputs: positional inputs for tracing.
         out: the ``.pte`` path to write.
         dynamic_shapes: as ``torch.export.export`` takes them.
-        manifest, quantization: see ``export_program``.
+        manifest, quantization, fused_projections: see ``export_program``.
 
     Returns:
         The path written.
     """
     ep = torch.export.export(module, tuple(example_inputs), dynamic_shapes=dynamic_shapes, strict=False)
-    return export_program(ep, out, manifest, quantization)
+    return export_program(ep, out, manifest, quantization, fused_projections)
 
 
-# The temp file of an export in progress: beside the output, visible, tagged with the writer's pid.
-PARTIAL_SUFFIX = ".partial"
+# The temp files of an export in progress (the .pte and its weights): beside the output,
+# visible, tagged with the writer's pid.
 
 
 def output_path(out: PathLike, default_name: str) -> Path:
@@ -105,24 +132,33 @@ def output_path(out: PathLike, default_name: str) -> Path:
     return path
 
 
-def write_atomically(out: Path, data: bytes) -> Path:
-    """Write ``data`` to ``out`` through ``out.<pid>.partial`` and a rename, so ``out`` is the
-    old file or the whole new one, never a part. The file gets mode 0666 less the umask, as
-    any new file. Partial files of writers that no longer run (killed exports) are removed.
-
-    Raises:
-        OutputPathError: ``out`` is a directory, or its directory does not exist.
-    """
+def check_writable(out: Path) -> None:
+    """Raise OutputPathError now if ``write_atomically`` could not write ``out``."""
     if out.is_dir():
         raise OutputPathError(f"cannot write {out}: it is a directory; give a file name")
     if not out.parent.is_dir():
         raise OutputPathError(f"cannot write {out}: the directory {out.parent} does not exist; create it first")
+
+
+def write_atomically(out: Path, data: Union[bytes, Callable[[BinaryIO], None]]) -> Path:
+    """Write ``data`` (bytes, or a function writing to a file) to ``out`` through
+    ``out.<pid>.partial`` and a rename, so ``out`` is the old file or the whole new one,
+    never a part. The file gets mode 0666 less the umask, as any new file. Partial files
+    of writers that no longer run (killed exports) are removed.
+
+    Raises:
+        OutputPathError: ``out`` is a directory, or its directory does not exist.
+    """
+    check_writable(out)
     _remove_stale_partials(out)
     tmp = out.with_name(f"{out.name}.{os.getpid()}{PARTIAL_SUFFIX}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            if callable(data):
+                data(f)
+            else:
+                f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, out)
@@ -134,7 +170,7 @@ def write_atomically(out: Path, data: bytes) -> Path:
 
 def _remove_stale_partials(out: Path) -> None:
     for partial in out.parent.glob(f"{glob.escape(out.name)}.*{PARTIAL_SUFFIX}"):
-        pid = partial.name[len(out.name) + 1 : -len(PARTIAL_SUFFIX)]
+        pid = partial.name[len(out.name) + 1 : -len(PARTIAL_SUFFIX)].split(".")[0]  # <pid>[.weights]
         if pid.isdigit() and not _running(int(pid)):
             partial.unlink(missing_ok=True)
 

@@ -5,7 +5,7 @@ The packing is ``mlx.core.quantize`` itself, run here on the full-precision weig
 the bytes are MLX's own by construction and the same weights always give the same bytes.
 
 Rule (``plan_quantization``): a constant is quantized when every read of it is as the
-weight of a ``linear`` or an ``embedding`` (a tied LM head and its embedding read one
+weight of a ``linear``, an ``embedding`` or ``llm::experts`` (a tied LM head and its embedding read one
 constant, so they share one quantized copy), it is floating point and its rows divide
 into groups (``ir.quantization.keep_reason``). A linear or embedding weight that does not
 fit stays full precision, and the written file reports it
@@ -26,38 +26,61 @@ from mlx_pte.runtime.mlx.bootstrap import mx
 from mlx_pte.ir.graph import TensorType
 from mlx_pte.ir.quantization import QuantizationError, QuantSpec, keep_reason
 
-from .graph_builder import DTYPE_NAMES, ep_constant, target_key
+from . import experts_op  # noqa: F401  (defines torch.ops.llm.experts)
+from .graph_builder import Builder, constant_source, target_key
+from .tensor_source import PartSource, SharedResult, TensorSource
 
 aten = torch.ops.aten
 
-# op -> index of the weight among its arguments
-_WEIGHT_ARG = {aten.linear.default: 1, aten.embedding.default: 0}
+# op -> index of each weight among its arguments
+_WEIGHT_ARG = {aten.linear.default: (1,), aten.embedding.default: (0,), torch.ops.llm.experts.default: (3, 4)}
+
+
+# Rows quantized at once: bounds the float copy MLX makes of a large weight (an embedding).
+_QUANTIZE_BLOCK_BYTES = 64 << 20
 
 
 @dataclass(frozen=True)
 class PackedWeight:
-    """One weight's packed parts, as ``mx.quantize`` returned them (numpy, C order)."""
+    """One weight's packed parts, computed from ``source`` when the first is written."""
 
     spec: QuantSpec
-    dtype: str  # of the full-precision weight
+    source: TensorSource  # the full-precision weight [N, K] (experts: [E, N, K])
+
+    def parts(self) -> list[tuple[str, TensorType, PartSource]]:
+        """(name suffix, type, source) of each stored part: weight, scales, biases."""
+        types = [t for t in self.spec.parts(tuple(self.source.shape), self.source.dtype) if t is not None]
+        result = SharedResult(lambda: _quantize_blocks(self.source.tensor(), self.spec), len(types))
+        return [
+            (suffix, TensorType(t.dtype, t.shape), PartSource(result, i, t.shape, t.dtype))
+            for i, (suffix, t) in enumerate(zip(("", ".scales", ".biases"), types))
+        ]
+
+
+def _quantize_blocks(tensor: torch.Tensor, spec: QuantSpec) -> list[np.ndarray]:
+    """``quantize_weight``'s parts, computed a block of rows at a time (rows quantize
+    independently, so the bytes are the same as one call's)."""
+    rows = max(1, _QUANTIZE_BLOCK_BYTES // max(1, tensor[0].numel() * tensor.element_size()))
+    blocks = [quantize_weight(tensor[i : i + rows], spec) for i in range(0, tensor.shape[0], rows)]
+    del tensor
+    fields = [[b.weight for b in blocks], [b.scales for b in blocks]]
+    if spec.affine:
+        fields.append([b.biases for b in blocks])  # type: ignore[misc]
+    return [np.concatenate(f) for f in fields]
+
+
+@dataclass(frozen=True)
+class QuantizedArrays:
+    """One weight's packed parts, as ``mx.quantize`` returned them (numpy, C order)."""
+
     weight: np.ndarray  # uint32 [N, K * bits / 32]
     scales: np.ndarray
     biases: Optional[np.ndarray]
 
-    def parts(self) -> list[tuple[str, TensorType, np.ndarray]]:
-        """(name suffix, type, array) of each stored part: weight, scales, biases."""
-        types = self.spec.parts((self.weight.shape[0], self.weight.shape[1] * 32 // self.spec.bits), self.dtype)
-        arrays = (self.weight, self.scales, self.biases)
-        return [
-            (suffix, TensorType(t.dtype, t.shape), a)
-            for suffix, t, a in zip(("", ".scales", ".biases"), types, arrays)
-            if t is not None
-        ]
-
 
 def _is_weight_read(user: Node, node: Node, absorbed: frozenset[Node]) -> bool:
-    at = _WEIGHT_ARG.get(target_key(user.target)) if user.op == "call_function" else None
-    return at is not None and user not in absorbed and len(user.args) > at and user.args[at] is node
+    positions = _WEIGHT_ARG.get(target_key(user.target), ()) if user.op == "call_function" else ()
+    return user not in absorbed and any(len(user.args) > at and user.args[at] is node for at in positions)
 
 
 def _weight_reads(node: Node, absorbed: frozenset[Node]) -> tuple[bool, bool]:
@@ -84,14 +107,20 @@ def plan_quantization(
     if spec is None:
         return packed
     for node in ep.graph.nodes:
-        tensor = ep_constant(ep, node) if node.op == "placeholder" else None
-        if tensor is None or not node.users:
+        source = constant_source(ep, node) if node.op == "placeholder" else None
+        if source is None or not node.users:
             continue
         some, every = _weight_reads(node, absorbed)
-        dtype = DTYPE_NAMES.get(tensor.dtype, str(tensor.dtype))
-        if some and keep_reason(spec, tuple(tensor.shape), dtype, other_reads=not every) is None:
-            packed[node] = quantize_weight(tensor, spec)
+        if some and keep_reason(spec, tuple(source.shape), source.dtype, other_reads=not every) is None:
+            packed[node] = PackedWeight(spec, source)
     return packed
+
+
+def add_quantized(b: Builder, node: Node, name: str, packed: PackedWeight) -> None:
+    """``node``'s weight as its packed parts: constants ``name``, ``name.scales`` and
+    ``name.biases`` (affine only), read by the quantized ops that replace its users."""
+    slots = [b.add_constant_bytes(name + suffix, t, a) for suffix, t, a in packed.parts()]
+    b.quantized[node] = (packed.spec, *slots, *([None] * (3 - len(slots))))
 
 
 def check_quantizable(spec: QuantSpec) -> None:
@@ -99,13 +128,13 @@ def check_quantizable(spec: QuantSpec) -> None:
     quantize_weight(torch.ones(1, spec.group_size), spec)
 
 
-def quantize_weight(tensor: torch.Tensor, spec: QuantSpec) -> PackedWeight:
-    """MLX's packing of a 2-D float weight (its own dtype's scales, for affine).
+def quantize_weight(tensor: torch.Tensor, spec: QuantSpec) -> QuantizedArrays:
+    """MLX's packing of a 2-D float weight, or a 3-D experts weight (each expert packed as
+    its own 2-D weight), with its own dtype's scales, for affine.
 
     Raises:
         QuantizationError: this machine's MLX cannot quantize to ``spec``.
     """
-    dtype = DTYPE_NAMES[tensor.dtype]
     try:
         parts = mx.quantize(_to_mlx(tensor), group_size=spec.group_size, bits=spec.bits, mode=spec.mode)
         mx.eval(parts)
@@ -114,7 +143,7 @@ def quantize_weight(tensor: torch.Tensor, spec: QuantSpec) -> PackedWeight:
             f"MLX {mx.__version__} on {mx.default_device()} cannot quantize to {spec.describe()}: {exc}"
         ) from None
     weight, scales, *rest = (_to_numpy(p) for p in parts)
-    return PackedWeight(spec, dtype, weight, scales, rest[0] if spec.affine else None)
+    return QuantizedArrays(weight, scales, rest[0] if spec.affine else None)
 
 
 def _to_mlx(tensor: torch.Tensor) -> mx.array:

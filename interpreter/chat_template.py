@@ -6,16 +6,21 @@ filter with json.dumps' options, ``{% break %}``/``{% continue %}``, the ``{% ge
 marker tag, trim_blocks and lstrip_blocks) and nothing more: no attribute starting with
 ``_``, no mutation of lists or dicts, ranges of at most 100,000 items, and no value
 (string, list, integer) grown past ``MAX_TEXT`` characters or ``MAX_INT_BITS`` bits by an
-operator, a padding method or filter, or a format width. Any failure is one
-``ChatTemplateError``.
+operator, a padding method or filter, or a format width. A render also runs within a
+time budget (``DEFAULT_BUDGET`` seconds of its thread's CPU time, per render): every loop
+iteration and every call counts, so nested loops and runaway recursion stop at the budget,
+and calls nest at most ``MAX_CALL_DEPTH`` deep. Any failure is one ``ChatTemplateError``.
 """
 from __future__ import annotations
 
 import json
 import re
+import time
+from contextvars import ContextVar
+from dataclasses import dataclass
 from datetime import datetime
 from functools import lru_cache
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import jinja2
 import jinja2.ext
@@ -27,6 +32,13 @@ from jinja2.utils import Namespace
 # Far above any prompt a model's context holds; bounds what one template step may allocate.
 MAX_TEXT = 4_000_000
 MAX_INT_BITS = 1 << 16
+# CPU seconds one render may take: real templates render in milliseconds.
+DEFAULT_BUDGET = 1.0
+# Calls nested this deep are runaway recursion (real templates nest a few macros); Python's
+# own recursion limit would stop a macro at ~160 levels, with a less useful message.
+MAX_CALL_DEPTH = 64
+# The CPU clock is read every this many counted steps (a step costs ~1 us, the clock ~0.5 us).
+_CLOCK_EVERY = 64
 # A printf or str.format field whose width or precision has 7+ digits pads past any real prompt.
 _WIDE_FIELD = re.compile(r"%[-+ #0]*(\d{7,}|\d*\.\d{7,})|\{[^{}]*:[^{}]*\d{7,}[^{}]*\}")
 
@@ -39,6 +51,39 @@ class ChatTemplateError(ValueError, jinja2.TemplateError):
 
 def _refuse(what: str) -> None:
     raise SecurityError(f"the chat template tried to {what}")
+
+
+class _OverBudget(Exception):
+    """A render ran past its budget (not a TemplateError, so nothing in Jinja handles it)."""
+
+
+@dataclass
+class _Budget:
+    """One render's spending: counted steps, call depth, and its thread's CPU-time deadline."""
+
+    seconds: float
+    deadline: float
+    steps: int = 0
+    depth: int = 0
+
+    def step(self) -> None:
+        self.steps += 1
+        if self.steps % _CLOCK_EVERY == 0 and time.thread_time() > self.deadline:
+            raise _OverBudget(
+                f"the model's chat template ran past its budget of {self.seconds:g} s of CPU time "
+                f"({self.steps:,} loop iterations and calls) and was stopped; a template that needs "
+                "longer is not a chat template (serve/run --template-budget SECONDS raises the budget)"
+            )
+
+
+# The budget of the render running in this thread (renders run on worker threads).
+_BUDGET: ContextVar[Optional[_Budget]] = ContextVar("chat_template_budget", default=None)
+
+
+def _loop_step() -> bool:
+    """Called once per loop iteration; the sandbox counts the call (True, so it can guard a
+    loop filter's test)."""
+    return True
 
 
 def _check_size(value: Any) -> Any:
@@ -98,16 +143,41 @@ class _Sandbox(ImmutableSandboxedEnvironment):
                 _check_format(owner, ())
             else:
                 _check_widths(args, kwargs)
-        return _check_size(super().call(__context, __obj, *args, **kwargs))
+        budget = _BUDGET.get()
+        if budget is None:
+            return _check_size(super().call(__context, __obj, *args, **kwargs))
+        # Every call (macros, recursive loop(), methods, globals) is a step; nesting is counted.
+        budget.step()
+        if budget.depth >= MAX_CALL_DEPTH:
+            raise _OverBudget(f"the model's chat template nested calls {MAX_CALL_DEPTH} deep (runaway "
+                              "recursion) and was stopped")
+        budget.depth += 1
+        try:
+            return _check_size(super().call(__context, __obj, *args, **kwargs))
+        finally:
+            budget.depth -= 1
 
 
 class _BoundedCodeGenerator(CodeGenerator):
-    """Routes ``~`` (string concatenation) through a size check, as the sandbox does binops."""
+    """Routes ``~`` (string concatenation) through a size check, as the sandbox does binops,
+    and makes every loop iteration (and every loop filter test) a call, which the sandbox
+    counts against the render budget: even a loop that calls and prints nothing is counted."""
 
     def visit_Concat(self, node: jinja2.nodes.Concat, frame: Any) -> None:
         self.write("environment.checked_size(")
         super().visit_Concat(node, frame)
         self.write(")")
+
+    def visit_For(self, node: jinja2.nodes.For, frame: Any) -> None:
+        # A call is never constant, so Jinja cannot fold it out of a constant filter test.
+        def step() -> jinja2.nodes.Call:
+            return jinja2.nodes.Call(jinja2.nodes.EnvironmentAttribute("budget_step"), [], [], None, None,
+                                     lineno=node.lineno)
+
+        node.body = [jinja2.nodes.ExprStmt(step(), lineno=node.lineno), *node.body]
+        if node.test is not None:
+            node.test = jinja2.nodes.And(step(), node.test, lineno=node.lineno)
+        super().visit_For(node, frame)
 
 
 class _GenerationTag(jinja2.ext.Extension):
@@ -183,6 +253,7 @@ def _environment() -> _Sandbox:
     env = _Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols, _GenerationTag])
     env.code_generator_class = _BoundedCodeGenerator
     env.checked_size = _check_size
+    env.budget_step = _loop_step
     _bounded_filters(env.filters)
     env.filters["tojson"] = _tojson
     env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now, dict=_template_dict,
@@ -204,22 +275,30 @@ class ChatTemplate:
         self.source = source
         self._template = _compile(source)
 
-    def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
-               **variables: Any) -> str:
+    def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, *,
+               budget: float = DEFAULT_BUDGET, **variables: Any) -> str:
         """The prompt text, with the variables HF passes (``tools``/``documents`` None, special tokens).
 
+        ``budget``: the CPU seconds this render may take (of the calling thread, so other
+        threads, such as a server's other requests, run meanwhile).
+
         Raises:
-            ChatTemplateError: the template failed or refused these messages.
+            ChatTemplateError: the template failed, refused these messages, or ran past the budget.
         """
         context = {"tools": None, "documents": None, **variables}
+        token = _BUDGET.set(_Budget(budget, time.thread_time() + budget))
         try:
             text = self._template.render(messages=[dict(m) for m in messages],
                                          add_generation_prompt=add_generation_prompt, **context)
             return _check_size(text)
+        except _OverBudget as exc:
+            raise ChatTemplateError(str(exc)) from None
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"the model's chat template failed: {exc}") from None
         except Exception as exc:  # the template is foreign code: any failure is its failure
             raise ChatTemplateError(f"the model's chat template failed: {type(exc).__name__}: {exc}") from None
+        finally:
+            _BUDGET.reset(token)
 
 
 @lru_cache(maxsize=16)

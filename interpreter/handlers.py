@@ -585,6 +585,7 @@ def _scatter_add(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx.array
 
 HANDLERS["all_sum"] = all_sum  # interpreter.groups: the process group it names
 
+from . import moe_handlers  # noqa: E402,F401  (registers topk and experts; it builds on handles above)
 
 # One catalog: an op without a handler (or a handler without an op) is a bug here.
 _missing = sorted(set(CATALOG) - set(HANDLERS))

@@ -25,6 +25,7 @@ from .capture import Capture
 from .handlers import MX_DTYPES, RunContext
 from .plan import GraphRunError, PreparedStep, ShapeKey, int_slots, prepare, specialise
 from .quantized_kernels import check_kernels
+from .temporaries import check_temporaries
 from .tokenizer_dir import tokenizer_fields
 
 __all__ = ["GraphRunError", "InputError", "Program", "load", "load_weight"]
@@ -102,12 +103,22 @@ class Program:
         return self._capture.compilations if self._capture is not None else 0
 
     @classmethod
-    def from_payload(cls, payload: Union[Payload, ImportedPayload], group: Any = None) -> "Program":
+    def from_payload(cls, payload: Union[Payload, ImportedPayload], group: Any = None,
+                     temporaries_budget: Optional[int] = None) -> "Program":
         """A program from a decoded (hence validated) payload, mlx-pte's or an imported
         upstream one; weights are copied into MLX. With ``group`` (an ``mx.distributed``
-        group of more than one rank) it is this rank's shard (``interpreter.shards``)."""
+        group of more than one rank) it is this rank's shard (``interpreter.shards``).
+        Its temps are checked against ``temporaries_budget`` bytes first (default: the
+        model's own size; see ``interpreter.temporaries``)."""
         graph = payload.graph
-        weights = {s: load_weight(payload.constant_bytes(s), graph.slots[s].type) for s in graph.constants()}
+        check_temporaries(graph, temporaries_budget)
+        release = getattr(payload, "release", None)
+        weights = {}
+        for s in graph.constants():
+            raw = payload.constant_bytes(s)
+            weights[s] = load_weight(raw, graph.slots[s].type)  # a copy: the file's pages can go
+            if release is not None:
+                release(raw)
         manifest = payload.manifest
         if group is not None and group.size() > 1:
             from .shards import shard_program  # mx.distributed only for a sharded load
@@ -217,7 +228,8 @@ def _check_shape(name: str, shape: tuple[int, ...], expected: tuple, bound: dict
             raise InputError(f"input {name!r} must have shape {wanted}, got {list(shape)}")
 
 
-def load(path: Union[str, Path], tokenizer: Optional[Union[str, Path]] = None, group: Any = None) -> Program:
+def load(path: Union[str, Path], tokenizer: Optional[Union[str, Path]] = None, group: Any = None,
+         temporaries_budget: Optional[int] = None) -> Program:
     """Read a ``.pte`` (mlx-pte's own, or upstream ExecuTorch's MLX export) and map its
     weights into MLX once.
 
@@ -228,13 +240,16 @@ def load(path: Union[str, Path], tokenizer: Optional[Union[str, Path]] = None, g
         group: an ``mx.distributed`` group: load this process's tensor-parallel shard
             (``ir.sharding``); every rank of the group must load the same file and run
             the same steps. None, or a group of one, loads the whole program.
+        temporaries_budget: the most bytes the file's temps may declare, at their least
+            (default: the model's weights, at least 64 MiB; ``interpreter.temporaries``).
 
     Raises:
-        FormatError: the file is not such a program, or is truncated or corrupt.
+        FormatError: the file is not such a program, is truncated or corrupt, or declares
+            temps past the budget.
         TokenizerDirError: ``tokenizer`` is not a usable checkpoint directory.
         ShardingError: the program cannot be split over the group's ranks.
     """
     fields = tokenizer_fields(tokenizer) if tokenizer is not None else {}
-    program = Program.from_payload(read_pte(path), group)
+    program = Program.from_payload(read_pte(path), group, temporaries_budget)
     program.manifest.update(fields)
     return program

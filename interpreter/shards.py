@@ -2,6 +2,7 @@
 weights, and the bytes its ``all_sum`` instructions exchange."""
 from __future__ import annotations
 
+import math
 from typing import Any, Mapping
 
 from mlx_pte.runtime.mlx.bootstrap import mx
@@ -42,11 +43,12 @@ def shard_program(
 
 def all_sum_bytes_per_token(graph: Graph) -> int:
     """Bytes one token's forward hands to ``all_sum`` on each rank (the ring moves about
-    ``2 (N - 1) / N`` times this in and out of every rank)."""
+    ``2 (N - 1) / N`` times this in and out of every rank): per instruction, its result's
+    static sizes (the token axis is the dynamic one) times the item size."""
     total = 0
     for instr in graph.instructions:
         if instr.op == "all_sum":
             t = graph.slots[instr.outputs[0]].type
-            assert isinstance(t, TensorType) and t.shape is not None and isinstance(t.shape[-1], int)
-            total += t.shape[-1] * ITEMSIZE[t.dtype]  # type: ignore[index]
+            assert isinstance(t, TensorType) and t.shape is not None and t.dtype is not None
+            total += math.prod(d for d in t.shape if isinstance(d, int)) * ITEMSIZE[t.dtype]
     return total

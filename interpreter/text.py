@@ -11,7 +11,7 @@ from tokenizers import Tokenizer
 from mlx_pte.ir.errors import FormatError
 from mlx_pte.ir.manifest import Manifest
 
-from .chat_template import ChatTemplate, ChatTemplateError
+from .chat_template import DEFAULT_BUDGET, ChatTemplate, ChatTemplateError
 
 __all__ = ["ChatTemplateError", "TextCodec", "TokenizerError", "TokenizerMissing", "checked_manifest"]
 
@@ -27,13 +27,16 @@ class TokenizerError(ValueError):
 class TextCodec:
     """Encoding, decoding and chat rendering through a manifest's tokenizer and template.
 
+    ``template_budget``: the CPU seconds one chat render may take (``render_chat`` reads it
+    on each call, so a server sets it from ``serve --template-budget``).
+
     Raises:
         TokenizerMissing: the manifest has no tokenizer.
         TokenizerError: the manifest's tokenizer JSON does not build a tokenizer.
         ChatTemplateError: the manifest's chat template does not compile.
     """
 
-    def __init__(self, manifest: Manifest) -> None:
+    def __init__(self, manifest: Manifest, template_budget: float = DEFAULT_BUDGET) -> None:
         if not manifest.tokenizer:
             raise TokenizerMissing(
                 "this .pte embeds no tokenizer (upstream ExecuTorch exports carry none): pass "
@@ -42,6 +45,7 @@ class TextCodec:
             )
         self._tokenizer = build_tokenizer(manifest.tokenizer)
         self.chat_template = ChatTemplate(manifest.chat_template) if manifest.chat_template else None
+        self.template_budget = template_budget
         self.bos_token_id = manifest.bos_token_id
         self.eos_token_ids = manifest.eos_token_ids
         self.pad_token_id = manifest.pad_token_id
@@ -75,7 +79,8 @@ class TextCodec:
 
         Raises:
             TokenizerMissing: the model has no chat template.
-            ChatTemplateError: the template failed or refused these messages.
+            ChatTemplateError: the template failed, refused these messages, or ran past
+                ``template_budget``.
         """
         if self.chat_template is None:
             raise TokenizerMissing("this model has no chat template; send a plain completion prompt")
@@ -86,7 +91,8 @@ class TextCodec:
             "pad_token": self._token_text(self.pad_token_id),
         }
         return self.chat_template.render(messages, add_generation_prompt=add_generation_prompt,
-                                         tools=list(tools) if tools else None, **special)
+                                         tools=list(tools) if tools else None, budget=self.template_budget,
+                                         **special)
 
     def _token_text(self, token_id: Optional[int]) -> str:
         if token_id is None:

@@ -726,3 +726,5 @@ UPSTREAM_ONLY = frozenset(
     + ("var", "std", "round", "tril", "triu", "cumsum", "roll", "full_like", "sort", "argsort", "partition",
        "argpartition", "flip", "repeat_interleave", "pad", "sdpa", "scatter_add")
 )  # fmt: skip
+
+from . import catalog_moe  # noqa: E402,F401  (defines topk and experts; it builds on define above)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .fuse_projections import linear_count
 from .graph import Graph
 
 ATTEND = "update_and_attend"
@@ -20,17 +21,25 @@ class LayerCounts:
     total: int  # instructions in the whole program
     layers: int  # attention calls
     spans: tuple[int, ...]  # instructions from each attention call to the next (layers - 1 spans)
+    matmuls: tuple[int, ...]  # matmuls on weights (linear, quantized_linear) in each span
 
     def summary(self) -> str:
         """One line for ``mlx-pte inspect``."""
         if not self.spans:
             return f"per decoder layer: n/a ({self.layers} attention layer{'s' if self.layers != 1 else ''})"
-        lo, hi = min(self.spans), max(self.spans)
-        figure = str(lo) if lo == hi else f"{lo}-{hi} (mean {sum(self.spans) / len(self.spans):.1f})"
-        return f"per decoder layer: {figure} instructions ({len(self.spans)} spans between consecutive {ATTEND})"
+        return (
+            f"per decoder layer: {_figure(self.spans)} instructions, {_figure(self.matmuls)} matmuls "
+            f"({len(self.spans)} spans between consecutive {ATTEND})"
+        )
+
+
+def _figure(counts: tuple[int, ...]) -> str:
+    lo, hi = min(counts), max(counts)
+    return str(lo) if lo == hi else f"{lo}-{hi} (mean {sum(counts) / len(counts):.1f})"
 
 
 def layer_counts(graph: Graph) -> LayerCounts:
     calls = [i for i, instr in enumerate(graph.instructions) if instr.op == ATTEND]
     spans = tuple(b - a for a, b in zip(calls, calls[1:]))
-    return LayerCounts(len(graph.instructions), len(calls), spans)
+    matmuls = tuple(linear_count(graph.instructions[a:b]) for a, b in zip(calls, calls[1:]))
+    return LayerCounts(len(graph.instructions), len(calls), spans, matmuls)

@@ -42,7 +42,7 @@ def simplify(graph: Graph, constants: Mapping[int, np.ndarray]) -> tuple[Graph, 
     instructions = _merge_common(graph, instructions)
     instructions = _fuse_layout_pairs(graph, instructions)
     instructions = _drop_dead(graph, instructions)
-    return _compact(replace(graph, instructions=instructions), constants)
+    return compact(replace(graph, instructions=instructions), constants)
 
 
 # -- slot substitution -----------------------------------------------------------------
@@ -228,7 +228,9 @@ def _drop_dead(graph: Graph, instructions: list[Instruction]) -> list[Instructio
     return kept[::-1]
 
 
-def _compact(graph: Graph, constants: Mapping[int, np.ndarray]) -> tuple[Graph, Constants]:
+def compact(graph: Graph, constants: Mapping[int, np.ndarray]) -> tuple[Graph, Constants]:
+    """``graph`` without the slots nothing refers to, the rest renumbered (and
+    ``constants`` with them)."""
     used = set(graph.inputs) | set(graph.outputs)
     for instr in graph.instructions:
         used.update(_reads(instr))

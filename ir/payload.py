@@ -15,6 +15,12 @@ Layout (little-endian; offsets from the start of the payload)::
          zero padding to a multiple of 64
          data: the weight segment, each constant at a multiple of 64
 
+Version 2 moves the weight segment out of the payload into the program's named data
+(entry ``WEIGHTS_KEY``, aligned to a page), so the exporter streams weights into the file
+instead of building the payload in memory: its header's data offset is 0 and its data size
+is the entry's; everything else is as in version 1, which readers still accept (and
+``encode_payload`` still writes, for programs small enough to build in memory).
+
 The checksum lets a reader reject a damaged graph or manifest before trusting them; the
 weight segment is not summed, so loading never has to read every weight. A reader
 refuses any version newer than its own before reading past the version field, which
@@ -27,7 +33,7 @@ import math
 import struct
 import zlib
 from dataclasses import dataclass
-from typing import Mapping, Union
+from typing import Callable, Mapping, Optional, Union
 
 import flatbuffers
 import numpy as np
@@ -54,7 +60,10 @@ from .graph import (
     UNTYPED_TENSOR,
 )
 
-FORMAT_VERSION: int = 1
+FORMAT_VERSION: int = 2
+INLINE_VERSION = 1  # the weights inside the payload
+WEIGHTS_KEY = "mlx_pte.weights"  # version 2: the named data entry holding the weights
+WEIGHTS_ALIGNMENT = 4096  # of that entry in the file, so it can be mapped page by page
 MAGIC = b"MLXP"
 ALIGNMENT = 64  # of the weight segment and of each constant in it
 
@@ -88,6 +97,9 @@ class Payload:
     manifest: dict  # JSON object
     constants: Mapping[int, Constant]  # constant slot -> where its bytes are in ``data``
     data: memoryview  # the aligned weight segment
+    # Drops a constant's bytes from this process once the loader has copied them (set by
+    # ``pte.read_pte`` for a mapped file: its pages would otherwise stay resident too).
+    release: Optional[Callable[[memoryview], None]] = None
 
     def constant_bytes(self, slot: int) -> memoryview:
         """The bytes of constant ``slot`` (no copy). KeyError if it is not a constant."""
@@ -216,7 +228,8 @@ def _check_constants(graph: Graph, constants: Mapping[int, Constant], data_size:
 def encode_payload(
     graph: Graph, constants: Mapping[int, ConstantBytes], manifest: Mapping
 ) -> bytes:
-    """Serialize a graph, its weights and its manifest into one payload.
+    """Serialize a graph, its weights and its manifest into one payload (version 1:
+    weights inline).
 
     Args:
         graph: a well-formed graph (``check_graph``); nothing is written otherwise.
@@ -230,16 +243,47 @@ def encode_payload(
     Raises:
         FormatError: the graph, a constant or the manifest cannot be written.
     """
-    check_graph(graph)
     raw = {slot: _as_bytes(constants[slot]) for slot in sorted(constants)}
+    placed, size = place_constants(graph, {slot: buf.nbytes for slot, buf in raw.items()})
+    head = _encode_head(graph, placed, size, manifest, INLINE_VERSION)
+    pieces: list = [head, bytes(_align(len(head)) - len(head))]
+    end = 0
+    for slot, buf in raw.items():
+        pieces += [bytes(placed[slot].offset - end), buf]
+        end = placed[slot].offset + buf.nbytes
+    return b"".join(pieces)
+
+
+def place_constants(graph: Graph, sizes: Mapping[int, int]) -> tuple[dict[int, Constant], int]:
+    """Where each constant goes in the weight segment (slot order, each aligned), and the
+    segment's size; checks the graph and that each size fits its slot's type.
+
+    Raises:
+        FormatError: a malformed graph, or a constant of the wrong size.
+    """
+    check_graph(graph)
     placed: dict[int, Constant] = {}
     cursor = 0
-    for slot, buf in raw.items():
+    for slot in sorted(sizes):
         offset = _align(cursor)
-        placed[slot] = Constant(slot, offset, buf.nbytes)
-        cursor = offset + buf.nbytes
+        placed[slot] = Constant(slot, offset, sizes[slot])
+        cursor = offset + sizes[slot]
     _check_constants(graph, placed, cursor)
+    return placed, cursor
 
+
+def encode_external_payload(graph: Graph, placed: Mapping[int, Constant], data_size: int, manifest: Mapping) -> bytes:
+    """A version 2 payload: graph and manifest, the weights (placed by ``place_constants``)
+    being the program's named data ``WEIGHTS_KEY`` of ``data_size`` bytes.
+
+    Raises:
+        FormatError: the graph or the manifest cannot be written.
+    """
+    return _encode_head(graph, placed, data_size, manifest, FORMAT_VERSION)
+
+
+def _encode_head(graph: Graph, placed: Mapping[int, Constant], data_size: int, manifest: Mapping, version: int) -> bytes:
+    """Header, graph and manifest; the inline data (version 1) starts at the next alignment."""
     try:
         graph_bytes = _build_graph(graph, placed.values())
     except (UnicodeEncodeError, struct.error, OverflowError) as exc:
@@ -248,21 +292,13 @@ def encode_payload(
         manifest_bytes = json.dumps(dict(manifest), ensure_ascii=False, allow_nan=False).encode("utf-8")
     except (TypeError, ValueError) as exc:
         raise FormatError(f"the manifest cannot be written as JSON: {exc}") from None
-
     graph_at = _HEADER.size
     manifest_at = graph_at + len(graph_bytes)
-    data_at = _align(manifest_at + len(manifest_bytes))
-    fields = (MAGIC, FORMAT_VERSION, graph_at, len(graph_bytes), manifest_at, len(manifest_bytes),
-              data_at, cursor)  # fmt: skip
+    data_at = _align(manifest_at + len(manifest_bytes)) if version == INLINE_VERSION else 0
+    fields = (MAGIC, version, graph_at, len(graph_bytes), manifest_at, len(manifest_bytes), data_at, data_size)
     crc = zlib.crc32(_HEADER.pack(*fields, 0, 0)[:_CRC_START])
     crc = zlib.crc32(manifest_bytes, zlib.crc32(graph_bytes, crc))
-    pieces: list = [_HEADER.pack(*fields, crc, 0), graph_bytes, manifest_bytes]
-    pieces.append(bytes(data_at - manifest_at - len(manifest_bytes)))
-    end = 0
-    for slot, buf in raw.items():
-        pieces += [bytes(placed[slot].offset - end), buf]
-        end = placed[slot].offset + buf.nbytes
-    return b"".join(pieces)
+    return b"".join([_HEADER.pack(*fields, crc, 0), graph_bytes, manifest_bytes])
 
 
 def _align(n: int) -> int:
@@ -270,6 +306,8 @@ def _align(n: int) -> int:
 
 
 def _as_bytes(value: ConstantBytes) -> memoryview:
+    if hasattr(value, "data") and callable(value.data):  # a lazy source (export.tensor_source)
+        value = value.data()
     if isinstance(value, np.ndarray):
         # A uint8 view works for every dtype, including extension ones such as bfloat16.
         return memoryview(np.ascontiguousarray(value).reshape(-1).view(np.uint8))
@@ -417,8 +455,14 @@ def _build_constant(b: flatbuffers.Builder, c: Constant) -> int:
 # -- decode ---------------------------------------------------------------------------
 
 
-def decode_payload(blob: Union[bytes, memoryview]) -> Payload:
+def decode_payload(
+    blob: Union[bytes, memoryview], named_data: Optional[Mapping[str, memoryview]] = None
+) -> Payload:
     """Parse and validate a payload without copying its weights.
+
+    Args:
+        blob: the payload.
+        named_data: the program's named data (where a version 2 payload's weights are).
 
     Raises:
         FormatError: anything is wrong (bad magic, a newer format version, sections out
@@ -427,7 +471,7 @@ def decode_payload(blob: Union[bytes, memoryview]) -> Payload:
             does not know.
     """
     view = memoryview(blob).cast("B")
-    graph_view, manifest_view, data = _sections(view)
+    graph_view, manifest_view, data = _sections(view, named_data or {})
     try:
         graph, constant_list = _read_graph(FlatBuffer(graph_view).root("Graph"))
     except FlatBufferError as exc:
@@ -441,7 +485,7 @@ def decode_payload(blob: Union[bytes, memoryview]) -> Payload:
     return Payload(graph, manifest, constants, data)
 
 
-def _sections(view: memoryview) -> tuple[memoryview, memoryview, memoryview]:
+def _sections(view: memoryview, named_data: Mapping[str, memoryview]) -> tuple[memoryview, memoryview, memoryview]:
     """Check the header and checksum; return the graph, manifest and data views."""
     if len(view) < _PREFIX.size:
         raise FormatError(f"the payload is {len(view)} bytes, too short to be an mlx-pte payload")
@@ -461,14 +505,27 @@ def _sections(view: memoryview) -> tuple[memoryview, memoryview, memoryview]:
         )
     _, _, g_at, g_size, m_at, m_size, d_at, d_size, crc, reserved = _HEADER.unpack_from(view)
     g_end, m_end, d_end = g_at + g_size, m_at + m_size, d_at + d_size
-    if not (_HEADER.size <= g_at <= g_end <= m_at <= m_end <= d_at) or d_at % ALIGNMENT or reserved:
+    inline = version == INLINE_VERSION
+    if not (_HEADER.size <= g_at <= g_end <= m_at <= m_end) or (inline and (m_end > d_at or d_at % ALIGNMENT)):
         raise FormatError("the payload's header is corrupt (its sections overlap or are misplaced)")
-    if d_end > len(view):
-        raise FormatError(f"the payload is truncated: it needs {d_end} bytes, has {len(view)}")
+    if reserved or (not inline and d_at):
+        raise FormatError("the payload's header is corrupt (its sections overlap or are misplaced)")
+    end = d_end if inline else m_end
+    if end > len(view):
+        raise FormatError(f"the payload is truncated: it needs {end} bytes, has {len(view)}")
     actual = zlib.crc32(view[m_at:m_end], zlib.crc32(view[g_at:g_end], zlib.crc32(view[:_CRC_START])))
     if actual != crc:
         raise FormatError("the payload is corrupt: its graph or manifest does not match the checksum")
-    return view[g_at:g_end], view[m_at:m_end], view[d_at:d_end]
+    if inline:
+        return view[g_at:g_end], view[m_at:m_end], view[d_at:d_end]
+    weights = named_data.get(WEIGHTS_KEY)
+    if weights is None or len(weights) < d_size:
+        have = "none" if weights is None else f"{len(weights)} bytes"
+        raise FormatError(
+            f"the program's weights (named data {WEIGHTS_KEY!r}, {d_size} bytes) are missing or truncated "
+            f"(found {have}); export the model again"
+        )
+    return view[g_at:g_end], view[m_at:m_end], memoryview(weights).cast("B")[:d_size]
 
 
 def _read_manifest(raw: memoryview) -> dict:

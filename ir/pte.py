@@ -24,8 +24,10 @@ import mmap
 import os
 import stat
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Mapping, Optional, Union
+
+import numpy as np
 
 from mlx_pte.schemas.flatread import FlatBuffer, FlatBufferError, Table
 
@@ -124,9 +126,27 @@ def read_pte(path: Union[str, os.PathLike]) -> Union[Payload, ImportedPayload]:
             raise FormatError(f"{os.fspath(path)}: the file is empty")
         mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     try:
-        return decode_program(mapped)
+        program = decode_program(mapped)
     except FormatError as exc:
         raise type(exc)(f"{os.fspath(path)}: {exc}") from None
+    return replace(program, release=_PageReleaser(mapped)) if isinstance(program, Payload) else program
+
+
+class _PageReleaser:
+    """Drops the pages of a view of one mapping from the process (``MADV_DONTNEED``: they
+    stay in the page cache), so copying every weight out of a mapped file does not leave
+    the file resident beside the copies."""
+
+    def __init__(self, mapped: mmap.mmap) -> None:
+        self._mapped = mapped
+        self._base = np.frombuffer(mapped, np.uint8).ctypes.data if len(mapped) else 0
+
+    def __call__(self, view: memoryview) -> None:
+        if not len(view) or not hasattr(self._mapped, "madvise"):
+            return
+        start = np.frombuffer(view, np.uint8).ctypes.data - self._base
+        begin = start - start % mmap.PAGESIZE
+        self._mapped.madvise(mmap.MADV_DONTNEED, begin, start + len(view) - begin)
 
 
 def decode_program(pte: Union[bytes, memoryview]) -> Union[Payload, ImportedPayload]:
@@ -138,7 +158,7 @@ def decode_program(pte: Union[bytes, memoryview]) -> Union[Payload, ImportedPayl
     contents = read_program(pte)
     if bytes(contents.payload[4:8]) == UPSTREAM_MAGIC:
         return import_program(contents.payload, contents.named_data, contents.constant_methods)
-    return decode_payload(contents.payload)
+    return decode_payload(contents.payload, contents.named_data)
 
 
 def _layout(view: memoryview) -> _Layout:

@@ -10,6 +10,8 @@
   ``all_sum`` (a catalog op); their bias is added by rank 0 only.
 - Everything else (embedding, norms, rotary tables, the LM head) is replicated, and each
   rank's cache holds its ``1/N`` of every layer's KV heads.
+- The token ids every rank embeds are rank 0's (one ``all_sum`` of int32 ids), so ranks
+  that follow rank 0's steps (``serving.tp_serve``) pass zeros.
 
 Which linears are which comes from the manifest's ``extra["tp_plan"]`` (the HF config's
 ``base_model_tp_plan``, recorded at export); a file without one (older, or upstream)
@@ -92,24 +94,25 @@ def linear_roles(graph: Graph, manifest: Mapping[str, Any]) -> dict[int, str]:
     plan = (manifest.get("extra") or {}).get("tp_plan") or _DEFAULT_PLAN
     # HF's plans name the separate projections; mlx-pte's export may fuse them.
     plan = {**plan, **{k: v for k, v in _DEFAULT_PLAN.items() if k in _FUSED}}
-    rules = []
-    for pattern, style in plan.items():
-        if style in (COLUMN, ROW):
-            rules.append((_glob(pattern), style))
-        elif not str(style).startswith("replicated"):
-            raise ShardingError(
-                f"the file's tensor-parallel plan shards {pattern!r} as {style!r}; mlx-pte splits only "
-                "colwise and rowwise linears (run it on one process)"
-            )
+    rules = [(_glob(pattern), pattern, str(style)) for pattern, style in plan.items()]
     roles = {}
     for index, instr in enumerate(graph.instructions):
         if instr.op not in _LINEARS:
             continue
         name = graph.slots[instr.inputs[1]].name.removesuffix(".weight")
-        for regex, style in rules:
-            if regex.match(name):
+        for regex, pattern, style in rules:
+            if not regex.match(name):
+                continue
+            if style not in (COLUMN, ROW) and not style.startswith("replicated"):
+                # Other styles (an embedding's, a norm's) leave those modules replicated; a
+                # linear split some other way would need a rewrite mlx-pte does not have.
+                raise ShardingError(
+                    f"the file's tensor-parallel plan splits {pattern!r} as {style!r}; mlx-pte splits linears "
+                    "only colwise or rowwise (run it on one process)"
+                )
+            if style in (COLUMN, ROW):
                 roles[index] = style
-                break
+            break
     return roles
 
 
@@ -139,6 +142,13 @@ def plan_shards(graph: Graph, manifest: Mapping[str, Any], rank: int, size: int,
     return _Rewrite(graph, rank, size, group).run(roles, manifest)
 
 
+def _reading(instr: Instruction, renames: Mapping[int, int]) -> Instruction:
+    """``instr`` with its operands renamed."""
+    if not any(s in renames for s in instr.inputs):
+        return instr
+    return replace(instr, inputs=tuple(renames.get(s, s) if s is not None else None for s in instr.inputs))
+
+
 def _bias_at(instr: Instruction) -> int:
     return 2 if instr.op == "linear" else 4
 
@@ -158,8 +168,9 @@ class _Rewrite:
         self.readers = readers
 
     def run(self, roles: dict[int, str], manifest: Mapping[str, Any]) -> ShardPlan:
-        out: list[Instruction] = []
+        out, tokens = self._rank0_tokens()
         for index, instr in enumerate(self.graph.instructions):
+            instr = _reading(instr, tokens)
             role = roles.get(index)
             if role == COLUMN:
                 out.append(self._column(index, instr))
@@ -177,6 +188,26 @@ class _Rewrite:
         cache = [dict(layer, n_kv_heads=layer["n_kv_heads"] // self.size) for layer in manifest["cache"]]
         extra = dict(manifest.get("extra") or {}, tensor_parallel={"rank": self.rank, "size": self.size})
         return ShardPlan(self.rank, self.size, graph, self.slices, dict(manifest, cache=cache, extra=extra))
+
+    def _rank0_tokens(self) -> tuple[list[Instruction], dict[int, int]]:
+        """Instructions that give every rank rank 0's token ids (an ``all_sum`` of rank 0's ids
+        and zeros from the others), and the renaming of the tokens input to their result:
+        a rank following rank 0's steps need not know the ids, which may still be on the
+        device when rank 0 builds the step."""
+        tokens = self.graph.inputs[0]
+        t = self.slots[tokens].type
+        assert isinstance(t, TensorType)
+        ids = self._new_slot(Slot("tokens.int32", SlotKind.TEMP, TensorType("int32", t.shape)))
+        out = [Instruction("cast", (tokens,), (ids,), (("dtype", "int32"),))]
+        if self.rank != 0:
+            zeros = self._new_slot(Slot("tokens.zeros", SlotKind.TEMP, TensorType("int32", t.shape)))
+            out.append(Instruction("sub", (ids, ids), (zeros,)))
+            ids = zeros
+        summed = self._new_slot(Slot("tokens.rank0", SlotKind.TEMP, TensorType("int32", t.shape)))
+        shared = self._new_slot(Slot("tokens.shared", SlotKind.TEMP, t))
+        out += [Instruction("all_sum", (ids,), (summed,), (("group", self.group),)),
+                Instruction("cast", (summed,), (shared,), (("dtype", t.dtype),))]
+        return out, {tokens: shared}
 
     # -- the three kinds of instruction ---------------------------------------------------
     def _column(self, index: int, instr: Instruction) -> Instruction:

@@ -9,6 +9,7 @@ import argparse
 import math
 from typing import Callable, Optional, Sequence
 
+from mlx_pte.interpreter.chat_template import DEFAULT_BUDGET as DEFAULT_TEMPLATE_BUDGET
 from mlx_pte.runtime.cache import KINDS, KV_DTYPES
 from mlx_pte.serving.engine import DEFAULT_CAPACITY_CONTEXTS
 from mlx_pte.serving.openai.request_body import (
@@ -74,6 +75,13 @@ def add_cache_arguments(parser: argparse.ArgumentParser, kinds: Sequence[str], d
                         help="K/V storage dtype (default: the model's dtype)")
 
 
+def add_max_step_argument(parser: argparse.ArgumentParser) -> None:
+    """The run-time prefill chunk (``Session(max_step=...)``) of a single-session command."""
+    parser.add_argument("--max-step", type=positive_int, default=None,
+                        help="most tokens per forward (the prefill chunk), at most the export's bound; "
+                        "default: 2048 on the GPU, 256 on the CPU, within that bound")
+
+
 def add_batching_arguments(parser: argparse.ArgumentParser) -> None:
     """Options that size the engine (``serve`` and ``run --prompts``)."""
     parser.add_argument("--max-batch-tokens", type=positive_int, default=None,
@@ -85,6 +93,12 @@ def add_batching_arguments(parser: argparse.ArgumentParser) -> None:
         "their prefix (a conversation's next turn) skip recomputing it; they use only room no request "
         "has reserved and are evicted first (least recently used). 0 disables; default: the capacity",
     )
+
+
+def add_template_budget_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--template-budget", type=positive_float, default=DEFAULT_TEMPLATE_BUDGET, metavar="SECONDS",
+                        help="CPU seconds one chat-template render may take before it is refused "
+                             f"(default: {DEFAULT_TEMPLATE_BUDGET:g})")
 
 
 def add_tokenizer_argument(parser: argparse.ArgumentParser) -> None:
@@ -109,6 +123,7 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="the .pte file to serve")
     add_tokenizer_argument(parser)
+    add_template_budget_argument(parser)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=tcp_port, default=8000)
     parser.add_argument("--model-id", default=None, help="the name clients use (default: the file's stem)")
@@ -121,7 +136,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds a client has to send a request's headers, else 408 and close "
                              f"(default: {DEFAULT_HEADER_TIMEOUT:g})")
     parser.add_argument("--body-timeout", type=positive_float, default=DEFAULT_BODY_TIMEOUT,
-                        help="seconds to wait for each chunk of a request body, else 408 and close "
+                        help="seconds the whole of a request body may take to arrive, else 408 and close "
                              f"(default: {DEFAULT_BODY_TIMEOUT:g})")
     parser.add_argument("--keep-alive", type=positive_float, default=DEFAULT_KEEP_ALIVE,
                         help=f"seconds an idle keep-alive connection stays open (default: {DEFAULT_KEEP_ALIVE:g})")

@@ -33,9 +33,11 @@ from mlx_pte.serving import tensor_parallel
 
 from .arguments import (
     add_batching_arguments,
+    add_max_step_argument,
     add_cache_arguments,
     add_sampling_arguments,
     add_serve_arguments,
+    add_template_budget_argument,
     add_tokenizer_argument,
     positive_int,
 )
@@ -236,8 +238,9 @@ def export_command(parser: argparse.ArgumentParser) -> Handler:
         help="dtype of weights and activations (default float32; MLX on CPU is fastest in float32)",
     )
     parser.add_argument(
-        "--max-step", type=int, default=256,
-        help="most tokens one forward takes (prefill chunk size); default 256",
+        "--max-step", type=int, default=None,
+        help="most tokens one forward of the program may take (the traced bound; the prefill chunk is "
+        "chosen at run time within it, see run --max-step); default: the model's context, at most 8192",
     )
     parser.add_argument(
         "--quantize", choices=tuple(PRESETS), default=None,
@@ -300,7 +303,7 @@ def default_model_pte() -> str:
         from mlx_pte.export.hf_export import export_hf
 
         print(f"exporting the bundled model {model_dir} to {pte} ...", file=sys.stderr)
-        export_hf(model_dir, pte, dtype="float32", max_step=256, progress=True)
+        export_hf(model_dir, pte, dtype="float32", progress=True)
     return str(pte)
 
 
@@ -315,19 +318,22 @@ def run_command(parser: argparse.ArgumentParser) -> Handler:
     add_cache_arguments(parser, KINDS, None, "single for --prompt, batched-sequence for --prompts",
                         f"the model's max context with --prompt, {DEFAULT_CAPACITY_CONTEXTS} x it with --prompts")
     add_tokenizer_argument(parser)
+    add_template_budget_argument(parser)
     add_batching_arguments(parser)
+    add_max_step_argument(parser)
     add_sampling_arguments(parser)
     tensor_parallel.add_tp_argument(parser)
 
     def run(args: argparse.Namespace) -> int:
         if (args.prompt is None) == (args.prompts is None):
             raise ValueError("give exactly one of --prompt TEXT or --prompts FILE")
+        if args.prompts and args.max_step is not None:
+            raise ValueError("--max-step applies to --prompt; with --prompts give the engine's step budget "
+                             "as --max-batch-tokens")
         args.model = args.model or default_model_pte()
         if args.tp is not None and not tensor_parallel.launched():
             return tensor_parallel.launch_local(args.tp, tensor_parallel.without_tp(args.argv))
         if args.prompts:
-            if tensor_parallel.launched():
-                raise ValueError("--prompts does not run tensor-parallel yet; use --prompt")
             return run_prompts(args)
         from mlx_pte.interpreter.program import load
 
@@ -345,10 +351,11 @@ def _run_prompt(args: argparse.Namespace, program) -> int:
     from mlx_pte.serving.generation import generate
 
     session = Session(program, kind=args.cache or "single", capacity=args.capacity,
-                      kv_dtype=args.kv_dtype, max_seqs=args.max_seqs)
+                      kv_dtype=args.kv_dtype, max_seqs=args.max_seqs, max_step=args.max_step)
     prompt = args.prompt
     if args.chat:
-        prompt = TextCodec(session.manifest).render_chat([{"role": "user", "content": prompt}])
+        codec = TextCodec(session.manifest, template_budget=args.template_budget)
+        prompt = codec.render_chat([{"role": "user", "content": prompt}])
     echo = [args.prompt if not args.chat else ""]
 
     def show(piece: str) -> None:
@@ -374,11 +381,25 @@ def run_prompts(args: argparse.Namespace) -> int:
     from mlx_pte.serving.engine import open_engine
     from mlx_pte.serving.openai.prompts_file import run_prompts_file
 
-    engine = open_engine(args.model, args.cache or KIND_BATCHED_SEQUENCE, args.capacity, args.max_batch_tokens, args.max_seqs, args.kv_dtype,
-                         args.tokenizer, args.prompt_cache_tokens)
-    defaults = {"max_tokens": args.max_new_tokens, "temperature": args.temperature, "top_k": args.top_k,
-                "top_p": args.top_p, "seed": args.seed}
-    run_prompts_file(engine, Path(args.prompts), {k: v for k, v in defaults.items() if v is not None})
+    def engine_for(group):
+        engine = open_engine(args.model, args.cache or KIND_BATCHED_SEQUENCE, args.capacity, args.max_batch_tokens,
+                             args.max_seqs, args.kv_dtype, args.tokenizer, args.prompt_cache_tokens, group=group)
+        if engine.codec is not None:
+            engine.codec.template_budget = args.template_budget
+        return engine
+
+    def run_file(engine) -> None:
+        defaults = {"max_tokens": args.max_new_tokens, "temperature": args.temperature, "top_k": args.top_k,
+                    "top_p": args.top_p, "seed": args.seed}
+        run_prompts_file(engine, Path(args.prompts), {k: v for k, v in defaults.items() if v is not None})
+
+    group = tensor_parallel.join_group()
+    if group is not None and group.size() > 1:
+        from mlx_pte.serving.tp_serve import serve_ranks
+
+        with tensor_parallel.lost_ranks(group):
+            return serve_ranks(group, engine_for, run_file)
+    run_file(engine_for(None))
     return 0
 
 
@@ -388,6 +409,7 @@ def run_prompts(args: argparse.Namespace) -> int:
 @command("serve", "serve a .pte file over an OpenAI-compatible HTTP API (completions, chat, streaming)")
 def serve_command(parser: argparse.ArgumentParser) -> Handler:
     add_serve_arguments(parser)
+    tensor_parallel.add_tp_argument(parser)
 
     def run(args: argparse.Namespace) -> int:
         from pathlib import Path
@@ -396,14 +418,27 @@ def serve_command(parser: argparse.ArgumentParser) -> Handler:
         from mlx_pte.serving.engine import open_engine
         from mlx_pte.serving.openai.request_body import BodyLimits
 
-        if tensor_parallel.launched():
-            raise ValueError("serve does not run tensor-parallel yet; run it as one process")
-        engine = open_engine(args.model, args.cache, args.capacity, args.max_batch_tokens, args.max_seqs,
-                             args.kv_dtype, args.tokenizer, args.prompt_cache_tokens)
-        # Every compile bucket is traced before the port opens, so no request pays for it.
-        print(f"warmed up {engine.kind} engine in {engine.warm_up():.1f} s", file=sys.stderr, flush=True)
-        serve(engine, args.model_id or Path(args.model).stem, args.host, args.port,
-              BodyLimits(args.max_body_bytes, args.body_timeout), args.header_timeout, args.keep_alive)
+        if args.tp is not None and not tensor_parallel.launched():
+            return tensor_parallel.launch_local(args.tp, tensor_parallel.without_tp(args.argv))
+
+        def engine_for(group):
+            return open_engine(args.model, args.cache, args.capacity, args.max_batch_tokens, args.max_seqs,
+                               args.kv_dtype, args.tokenizer, args.prompt_cache_tokens, group=group)
+
+        def serve_engine(engine) -> None:
+            # Every compile bucket is traced before the port opens, so no request pays for it.
+            print(f"warmed up {engine.kind} engine in {engine.warm_up():.1f} s", file=sys.stderr, flush=True)
+            serve(engine, args.model_id or Path(args.model).stem, args.host, args.port,
+                  BodyLimits(args.max_body_bytes, args.body_timeout), args.header_timeout, args.keep_alive,
+                  args.template_budget)
+
+        group = tensor_parallel.join_group()
+        if group is not None and group.size() > 1:
+            from mlx_pte.serving.tp_serve import serve_ranks
+
+            with tensor_parallel.lost_ranks(group):
+                return serve_ranks(group, engine_for, serve_engine)
+        serve_engine(engine_for(None))
         return 0
 
     return run
@@ -419,6 +454,7 @@ def bench_command(parser: argparse.ArgumentParser) -> Handler:
     parser.add_argument("--generate", type=positive_int, default=64, help="tokens to generate (default 64)")
     parser.add_argument("--repeats", type=positive_int, default=3, help="timed runs after one warm-up (default 3)")
     add_cache_arguments(parser, KINDS, "single", "single", "the model's max context")
+    add_max_step_argument(parser)
     add_tokenizer_argument(parser)
     tensor_parallel.add_tp_argument(parser)
 
@@ -447,7 +483,8 @@ def _bench(args: argparse.Namespace, group) -> int:
     prompt = np.random.default_rng(0).integers(0, vocab, args.prompt_tokens).tolist()
 
     def once(n_prompt: int, n_new: int):
-        session = Session(program, kind=args.cache, capacity=args.capacity, kv_dtype=args.kv_dtype)
+        session = Session(program, kind=args.cache, capacity=args.capacity, kv_dtype=args.kv_dtype,
+                          max_step=args.max_step)
         return generate(session, prompt[:n_prompt], max_new_tokens=n_new, stop_on_eos=False)
 
     once(min(8, len(prompt)), 4)

@@ -149,7 +149,7 @@ def _supervise(procs: list[subprocess.Popen]) -> int:
     failed: Optional[tuple[int, int]] = None
     deadline: Optional[float] = None
     try:
-        while any(p.poll() is None for p in procs):
+        while [p.poll() for p in procs].count(None):  # every rank polled, each time
             if failed is None:
                 failed = next(((r, p.returncode) for r, p in enumerate(procs) if p.returncode not in (None, 0)), None)
                 if failed is not None:

@@ -15,8 +15,10 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Union
 
 from ..errors import FormatError
+from ..fuse_projections import fuse_projections
 from ..graph import Graph, SlotKind, SymDim, TensorType
 from ..manifest import CacheLayerSpec, Manifest
+from ..passes import compact
 from ..payload import ITEMSIZE, check_graph
 from .builder import ImportBuilder
 from .init_chain import FOLDABLE, fold_init_chain
@@ -86,6 +88,7 @@ def import_program(
     _translate(builder, fb)
     vocab, dtype = _add_logits_output(graph, builder, fb, meta, rows)
     _finish(graph)
+    graph, weights = _fused(graph, weights)
     manifest = Manifest(
         config={},
         dtype=dtype,
@@ -144,6 +147,12 @@ def _start(
 def _finish(graph: Graph) -> None:
     _drop_dead_code(graph)
     check_graph(graph)
+
+
+def _fused(graph: Graph, weights: Mapping[int, memoryview]) -> tuple[Graph, dict[int, memoryview]]:
+    """``graph`` with its projections fused and the weights it no longer reads dropped."""
+    fused, constants = compact(*fuse_projections(graph, weights))
+    return fused, {slot: memoryview(data) for slot, data in constants.items()}
 
 
 def _text(raw: Any) -> Optional[str]:

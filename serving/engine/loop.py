@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from mlx_pte.runtime.cache import KIND_BATCHED_SEQUENCE
 
@@ -96,10 +96,10 @@ class Engine:
         self.kind = kind
         self.cache = self.session.cache
         manifest = self.session.manifest
-        budget = max_batch_tokens if max_batch_tokens is not None else manifest.max_step
+        budget = max_batch_tokens if max_batch_tokens is not None else self.session.max_step
         if budget < 1:
             raise EngineError(f"max_batch_tokens must be at least 1, got {budget}")
-        self.limits = Limits(min(budget, manifest.max_step), self.cache.capacity, manifest.max_context,
+        self.limits = Limits(min(budget, self.session.max_step), self.cache.capacity, manifest.max_context,
                              self.cache.max_seqs())
         self.text = ModelText.of(manifest)
         self.vocab_size = self.text.vocab_size
@@ -393,13 +393,14 @@ def _seeded(params: SamplingParams, index: int) -> SamplingParams:
 
 def open_engine(model: str, kind: str, capacity: Optional[int] = None, max_batch_tokens: Optional[int] = None,
                 max_seqs: Optional[int] = None, kv_dtype: Optional[str] = None,
-                tokenizer: Optional[str] = None, prompt_cache_tokens: Optional[int] = None) -> Engine:
-    """An engine over the program in the .pte file ``model`` (tokenizer: see ``load``);
+                tokenizer: Optional[str] = None, prompt_cache_tokens: Optional[int] = None,
+                group: Any = None) -> Engine:
+    """An engine over the program in the .pte file ``model`` (tokenizer, group: see ``load``);
     capacity defaults to room for a few full-context requests at once, the prompt store
     to the whole capacity (retained prompts only use room no request has reserved)."""
     from mlx_pte.interpreter.program import load
 
-    program = load(model, tokenizer=tokenizer)
+    program = load(model, tokenizer=tokenizer, group=group)
     if capacity is None:
         capacity = DEFAULT_CAPACITY_CONTEXTS * int(program.manifest["max_context"])
     return Engine(program, kind, capacity=capacity, max_batch_tokens=max_batch_tokens, max_seqs=max_seqs,

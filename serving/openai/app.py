@@ -17,6 +17,8 @@ import logging
 import time
 from typing import AsyncIterator
 
+from mlx_pte.interpreter.chat_template import DEFAULT_BUDGET as DEFAULT_TEMPLATE_BUDGET
+
 from ..engine import Engine, EngineError, Event
 from .metrics import ServerMetrics
 from .request import ApiError, ApiRequest, parse_request
@@ -98,10 +100,13 @@ def _error_response(error: ApiError, close: bool = False):
     return JSONResponse(error.body(), status_code=error.status, headers={"connection": "close"} if close else None)
 
 
-def create_app(engine: Engine, model_id: str, limits: BodyLimits = BodyLimits()):
+def create_app(engine: Engine, model_id: str, limits: BodyLimits = BodyLimits(),
+               template_budget: float = DEFAULT_TEMPLATE_BUDGET):
     """The starlette app serving ``engine`` as ``model_id``; it starts and stops the engine.
 
-    ``limits`` bound each request body (size, and seconds per chunk).
+    ``limits`` bound each request body (size, and seconds for the whole body); ``template_budget`` is
+    the CPU seconds one chat-template render may take (renders run on worker threads, so
+    other requests are answered meanwhile).
     """
     from starlette.applications import Starlette
     from starlette.concurrency import run_in_threadpool
@@ -111,6 +116,8 @@ def create_app(engine: Engine, model_id: str, limits: BodyLimits = BodyLimits())
     from starlette.routing import Route
 
     created = int(time.time())
+    if engine.codec is not None:
+        engine.codec.template_budget = template_budget
     metrics = ServerMetrics(engine)
 
     def body_of(raw: bytes):
@@ -273,15 +280,17 @@ def _peer(http) -> str:
 
 
 def serve(engine: Engine, model_id: str, host: str, port: int, limits: BodyLimits = BodyLimits(),
-          header_timeout: float = DEFAULT_HEADER_TIMEOUT, keep_alive: float = DEFAULT_KEEP_ALIVE) -> None:
+          header_timeout: float = DEFAULT_HEADER_TIMEOUT, keep_alive: float = DEFAULT_KEEP_ALIVE,
+          template_budget: float = DEFAULT_TEMPLATE_BUDGET) -> None:
     """Serve ``engine`` as ``model_id`` on ``host:port`` until interrupted.
 
     ``header_timeout``: seconds a client has to send a request's headers (else 408 and
-    close); ``keep_alive``: seconds an idle keep-alive connection stays open.
+    close); ``keep_alive``: seconds an idle keep-alive connection stays open;
+    ``template_budget``: see ``create_app``.
     """
     import uvicorn
 
     from .slow_clients import header_timeout_protocol
 
-    uvicorn.run(create_app(engine, model_id, limits), host=host, port=port, log_level="info",
+    uvicorn.run(create_app(engine, model_id, limits, template_budget), host=host, port=port, log_level="info",
                 http=header_timeout_protocol(header_timeout), timeout_keep_alive=keep_alive)

@@ -1,8 +1,9 @@
 """Request bodies read within limits and parsed as JSON that the schema code can trust.
 
 The body is read as it arrives, never past ``max_bytes`` (a declared Content-Length over
-the limit is refused before reading), and each chunk must arrive within ``timeout``
-seconds. Parsing refuses what Python's ``json`` accepts but no client means: NaN and
+the limit is refused before reading), and the whole of it must arrive within ``timeout``
+seconds of the app starting to read it (a deadline for the body, not for each chunk, so a
+client trickling a byte at a time cannot hold a connection past it). Parsing refuses what Python's ``json`` accepts but no client means: NaN and
 Infinity, numbers past float range, integers of more than ``MAX_INT_DIGITS`` digits
 (Python refuses > 4300 digits with a ValueError) and nesting past the interpreter's
 recursion limit; ``check_value`` then refuses nesting deeper than ``MAX_DEPTH`` and lone
@@ -42,15 +43,15 @@ class ClientGone(Exception):
 @dataclass(frozen=True)
 class BodyLimits:
     max_bytes: int = DEFAULT_MAX_BODY_BYTES
-    timeout: float = DEFAULT_BODY_TIMEOUT  # seconds to wait for each chunk
+    timeout: float = DEFAULT_BODY_TIMEOUT  # seconds the whole body may take to arrive
 
 
 async def read_body(receive: Callable[[], Awaitable[dict]], headers: dict, limits: BodyLimits) -> bytes:
     """The whole body from the ASGI ``receive``, within ``limits``.
 
     Raises:
-        BodyError: 413 past the size limit, 408 when a chunk is late, 400 for a bad
-            Content-Length.
+        BodyError: 413 past the size limit, 408 when the body is not complete by its
+            deadline, 400 for a bad Content-Length.
         ClientGone: the client disconnected.
     """
     declared = headers.get("content-length")
@@ -60,12 +61,14 @@ async def read_body(receive: Callable[[], Awaitable[dict]], headers: dict, limit
         if int(declared) > limits.max_bytes:
             raise BodyError(413, _too_large(limits.max_bytes), "request_too_large")
     chunks, size, more = [], 0, True
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + limits.timeout
     while more:
         try:
-            message = await asyncio.wait_for(receive(), limits.timeout)
+            message = await asyncio.wait_for(receive(), max(deadline - loop.time(), 0.0))
         except asyncio.TimeoutError:
-            raise BodyError(408, f"the request body did not arrive within {limits.timeout:g} s",
-                            "request_timeout") from None
+            raise BodyError(408, f"the request body did not arrive within {limits.timeout:g} s "
+                                 "(serve --body-timeout)", "request_timeout") from None
         if message["type"] == "http.disconnect":
             raise ClientGone()
         chunk = message.get("body", b"")

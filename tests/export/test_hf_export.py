@@ -59,3 +59,14 @@ def test_max_step_beyond_the_context_is_refused_quietly(tiny_checkpoint, tmp_pat
         export_hf(tiny_checkpoint("llama"), tmp_path / "x.pte", max_step=257, progress=False)
     assert not (tmp_path / "x.pte").exists()
     assert "export:" not in capfd.readouterr().err
+
+
+def test_default_max_step_is_the_context(tiny_checkpoint, tmp_path: Path):
+    """No max_step: the traced token bound is the model's context (the tiny config's 256,
+    under DEFAULT_MAX_STEP); the run-time chunk is the session's choice within it."""
+    source = tiny_checkpoint("llama")
+    context = json.loads((source / "config.json").read_text())["max_position_embeddings"]
+    payload = read_pte(export_hf(source, tmp_path / "llama.pte", progress=False))
+    assert Manifest.from_dict(payload.manifest).max_step == context
+    tokens, _, rows = (payload.graph.slots[s].type for s in payload.graph.inputs)
+    assert tokens.shape[1].max == rows.shape[0].max == context

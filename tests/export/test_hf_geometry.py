@@ -20,6 +20,10 @@ EXPECTED = {
     "gemma3": ((RING, FLAT), (0, 1)),
     "gemma2": ((RING, FLAT), (0, 1)),
     "gemma3n": ((RING, FLAT), (0, 1, 0, 1)),  # layers 2, 3 share the K/V of 0, 1
+    "qwen3_moe": ((FLAT, FLAT), (0, 1)),
+    "mixtral": ((FLAT, FLAT), (0, 1)),
+    "olmoe": ((FLAT, FLAT), (0, 1)),
+    "qwen2_moe": ((FLAT, FLAT), (0, 1)),
 }
 
 

@@ -12,9 +12,11 @@ from mlx_pte.cli import main
 from .test_cli_run import one_error_line
 
 N_LAYERS, HIDDEN, FFN, VOCAB, Q, KV = 2, 64, 128, 1024, 64, 32
-# Every linear and the (untied) embedding and head of the tiny llama, as [N, K].
-WEIGHTS = [(VOCAB, HIDDEN), (VOCAB, HIDDEN)] + N_LAYERS * [(Q, HIDDEN), (KV, HIDDEN), (KV, HIDDEN), (HIDDEN, Q),
-                                                           (FFN, HIDDEN), (FFN, HIDDEN), (HIDDEN, FFN)]  # fmt: skip
+ALIGN = 128  # fused projections start each part at a multiple of 128 rows (ir.fuse_projections)
+# Every linear and the (untied) embedding and head of the tiny llama, as [N, K]: q/k/v fused
+# (q and k padded to 128 rows each), o, gate/up fused, down.
+WEIGHTS = [(VOCAB, HIDDEN), (VOCAB, HIDDEN)] + N_LAYERS * [(2 * ALIGN + KV, HIDDEN), (HIDDEN, Q), (2 * FFN, HIDDEN),
+                                                           (HIDDEN, FFN)]  # fmt: skip
 
 
 def q4_bytes(n: int, k: int, group: int) -> int:
@@ -35,7 +37,7 @@ def test_export_prints_what_it_quantized(quantized_pte, capsys):
     assert main(args) == 0
     stdout = capsys.readouterr().out
     assert f"wrote {out}" in stdout
-    assert re.search(r"quantized: 16 weights \(affine 4-bit, groups of 32\); all weights [\d,]+ bytes", stdout)
+    assert re.search(rf"quantized: {len(WEIGHTS)} weights \(affine 4-bit, groups of 32\); all weights [\d,]+ bytes", stdout)
 
 
 def test_inspect_shows_bits_group_mode_and_bytes_per_tensor_and_the_total(quantized_pte, capsys):

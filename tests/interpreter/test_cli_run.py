@@ -160,3 +160,14 @@ def test_a_fifo_as_the_model_is_refused_at_once(tmp_path, capsys, command):
     with time_limit(30):
         assert main([command, str(fifo), *(["--prompt", "hi"] if command == "run" else [])]) == 1
     assert "not a regular file" in one_error_line(capsys.readouterr())
+
+
+def test_run_with_a_prefill_chunk_within_the_export_bound(pte, capsys):
+    assert main(["run", str(pte), "--prompt", "The for statement " * 3, "--max-new-tokens", "3",
+                 "--max-step", "4"]) == 0
+    assert capsys.readouterr().out.startswith("The for statement")
+
+
+def test_a_prefill_chunk_past_the_export_bound_is_one_error_line(pte, capsys):
+    assert main(["run", str(pte), "--prompt", "hi", "--max-step", "33"]) == 1  # exported with 32
+    assert "max_step must be an integer in [1, 32]" in one_error_line(capsys.readouterr())

@@ -169,3 +169,22 @@ def test_chat_with_an_escaping_template_runs_nothing(base, tmp_path, capsys, mon
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and "chat template" in err[0], err
     assert not marker.exists()
+
+
+@pytest.mark.parametrize("declared", ["static", "dynamic with a literal size"])
+def test_temporaries_past_the_budget_are_refused_at_load_naming_the_instruction(base, declared):
+    """A file declaring a 512 MiB temp (its weights are under 1 MiB, so the budget is the
+    64 MiB floor) is refused before any weight reaches MLX; a budget given to load admits it."""
+    from mlx_pte.ir.graph import SlotKind, SymDim, TensorType
+
+    size = 2**27  # float32: 512 MiB
+    graph = dataclasses.replace(base.graph, slots=list(base.graph.slots), instructions=list(base.graph.instructions))
+    dim = size if declared == "static" else SymDim("crafted", 1, None)
+    slot = graph.add_slot("crafted_temp", SlotKind.TEMP, TensorType("float32", (dim,)))
+    graph.instructions.insert(0, Instruction("full", (), (slot,), (("shape", (size,)), ("value", 0.0),
+                                                                    ("dtype", "float32"))))
+    payload = decode_payload(craft_payload(base, graph=graph))
+    with pytest.raises(FormatError, match=r"instruction 0 \('full'\) declares a temporary of 512\.0 MiB.*"
+                                          r"past the budget of 64\.0 MiB"):
+        Program.from_payload(payload)
+    Program.from_payload(payload, temporaries_budget=2**30)

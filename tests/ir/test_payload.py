@@ -23,7 +23,7 @@ from mlx_pte.ir.graph import (
     SymDim,
     TensorType,
 )
-from mlx_pte.ir.payload import FORMAT_VERSION, decode_payload, encode_payload
+from mlx_pte.ir.payload import FORMAT_VERSION, INLINE_VERSION, decode_payload, encode_payload
 from mlx_pte.schemas import mlx_graph_generated as fb
 
 from . import layout
@@ -231,7 +231,7 @@ def check_round_trip(graph: Graph, constants: dict, manifest: dict) -> None:
         assert p.constants[slot].offset % 64 == 0
     # The weight segment is 64-aligned within the blob, and a view into it, not a copy.
     parts = layout.split(blob)
-    assert parts.magic == b"MLXP" and parts.version == FORMAT_VERSION
+    assert parts.magic == b"MLXP" and parts.version == INLINE_VERSION
     if p.data.nbytes:
         data_at = np.frombuffer(p.data, np.uint8).ctypes.data - np.frombuffer(blob, np.uint8).ctypes.data
         assert data_at % 64 == 0 and blob[data_at : data_at + p.data.nbytes] == parts.data
@@ -453,6 +453,6 @@ def test_shared_offsets_cannot_multiply_work():
     fb.GraphStart(b)
     fb.GraphAddSlots(b, slots)
     b.Finish(fb.GraphEnd(b))
-    parts = layout.Parts(b"MLXP", FORMAT_VERSION, bytes(b.Output()), b"{}", b"")
+    parts = layout.Parts(b"MLXP", INLINE_VERSION, bytes(b.Output()), b"{}", b"")
     with pytest.raises(FormatError, match="more objects than the buffer can hold"):
         decode_payload(layout.join(parts))

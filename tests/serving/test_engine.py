@@ -64,8 +64,9 @@ def submit_all(engine: Engine, requests, events: dict):
     return [engine.submit(r, on_event=collect) for r in requests]
 
 
-# gemma3 mixes a sliding-window layer (window 4, a ring the prompts wrap) with a flat one.
-@pytest.mark.parametrize("family", ["llama", "gemma3"])
+# gemma3 mixes a sliding-window layer (window 4, a ring the prompts wrap) with a flat one;
+# qwen3_moe routes each row of a batch to its own experts.
+@pytest.mark.parametrize("family", ["llama", "gemma3", "qwen3_moe"])
 @pytest.mark.parametrize("kind", KINDS)
 def test_batched_greedy_equals_single_sequence(programs, oracle, kind, family):
     engine = Engine(programs(family), kind, capacity=400, max_batch_tokens=24)

@@ -237,6 +237,7 @@ def test_bodies_past_the_limit_get_413_without_being_read(program):
             assert client.post(url + "/v1/completions", json=NORMAL).status_code == 200
 
 
+@pytest.mark.slow  # tokenizing a million words takes a minute on a loaded 2-core machine
 def test_health_answers_while_a_big_prompt_is_tokenized(live):
     url, _, _ = live
     result: dict = {}
@@ -291,3 +292,46 @@ def test_slow_clients_are_closed_within_the_timeouts(live):
             assert data == b"" or data.startswith(b"HTTP/1.1 408"), data[:200]
     assert not [r for r in log.records[count:] if r.exc_info]
     assert httpx.post(url + "/v1/completions", json=NORMAL, timeout=TIMEOUT).status_code == 200
+
+
+def test_a_trickling_body_is_closed_at_its_deadline_while_another_request_is_served(live):
+    """A byte every fifth of the body timeout: each chunk is prompt, but the body as a whole
+    is late, so the client gets a 408 at the deadline rather than holding the connection
+    for the 200 s its 1000 bytes would take."""
+    url, _, log = live
+    host, port = url.rsplit("/", 1)[-1].split(":")
+    count = len(log.records)
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 1000\r\n\r\n")
+        start = time.perf_counter()
+        stop = threading.Event()
+
+        def trickle() -> None:
+            try:
+                while not stop.wait(BODY_TIMEOUT / 5):
+                    sock.sendall(b" ")
+            except OSError:  # the server closed the connection
+                pass
+
+        sender = threading.Thread(target=trickle)
+        sender.start()
+        try:
+            served = httpx.post(url + "/v1/completions", json=NORMAL, timeout=TIMEOUT)
+            sock.settimeout(BODY_TIMEOUT + 5.0)
+            data = b""
+            try:
+                while chunk := sock.recv(4096):
+                    data += chunk
+            except ConnectionResetError:  # a trickled byte crossed the close
+                pass
+            except socket.timeout:
+                pytest.fail("the server held the trickling connection past its body deadline")
+            elapsed = time.perf_counter() - start
+        finally:
+            stop.set()
+            sender.join()
+    assert served.status_code == 200
+    assert data.startswith(b"HTTP/1.1 408") and b"did not arrive within" in data, data[:200]
+    assert elapsed >= BODY_TIMEOUT * 0.9
+    assert not [r for r in log.records[count:] if r.exc_info]

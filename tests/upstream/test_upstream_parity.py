@@ -13,6 +13,7 @@ import pytest
 
 from mlx_pte.export.hf_export import export_hf
 from mlx_pte.interpreter.program import load
+from mlx_pte.ir.layers import layer_counts
 from mlx_pte.runtime.cache import KIND_SINGLE, KINDS
 from tests.fixtures.tiny_models import SLIDING_WINDOW
 
@@ -94,3 +95,11 @@ def test_cache_geometry_comes_from_the_constant_methods(upstream_pte):
     ]
     assert (manifest["max_step"], manifest["max_context"]) == (4, 64)
     assert manifest["extra"]["source"] == "executorch-mlx" and manifest["tokenizer"] is None
+
+
+@pytest.mark.parametrize("variant", ["fp32", "fp32-4w"])
+def test_imported_projections_are_fused(upstream_pte, variant):
+    """Upstream multiplies q, k, v and gate, up separately; the import fuses them
+    (``ir.fuse_projections``), and the logits tests above run the fused program."""
+    separate = 7  # q, k, v, o, gate, up, down
+    assert layer_counts(load(upstream_pte("llama", variant)).graph).matmuls == (separate - 3,)

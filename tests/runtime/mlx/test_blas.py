@@ -1,10 +1,12 @@
 """The BLAS loader: override, system library, one warning when none is found."""
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import warnings
 from pathlib import Path
+from typing import Optional, Sequence
 
 import pytest
 
@@ -58,12 +60,12 @@ def test_macos_uses_accelerate_and_loads_nothing(monkeypatch):
 REPO = Path(__file__).resolve().parents[3]
 
 
-def torch_sgemm_library(code: str, tmp_path: Path) -> str:
-    """Where ``libtorch_cpu``'s ``sgemm_`` binds in a fresh process running ``code``
-    (glibc's LD_DEBUG trace of symbol bindings)."""
+def torch_sgemm_library(code: str, tmp_path: Path, argv: Optional[Sequence[str]] = None) -> str:
+    """Where ``libtorch_cpu``'s ``sgemm_`` binds in a fresh process running ``code`` (or the
+    command line ``argv``), from glibc's LD_DEBUG trace of symbol bindings."""
     trace = tmp_path / "bindings"
     env = {"PATH": "/usr/bin:/bin", "LD_DEBUG": "bindings", "LD_DEBUG_OUTPUT": str(trace), "PYTHONPATH": str(REPO)}
-    subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True)
+    subprocess.run([sys.executable, *(argv or ("-c", code))], env=env, cwd=REPO, capture_output=True, text=True)
     for part in tmp_path.glob("bindings.*"):
         for line in part.read_text(errors="replace").splitlines():
             if "libtorch_cpu.so" in line.split(" to ")[0] and line.endswith("symbol `sgemm_'"):
@@ -92,10 +94,13 @@ def test_the_test_suite_imports_torch_before_the_loader(tmp_path):
 @needs_openblas
 @pytest.mark.slow
 def test_the_decode_bench_imports_torch_before_the_loader(tmp_path):
-    # The mlx-pte job imports everything, then fails on the missing checkpoint.
-    job = '{"engine": "mlx-pte", "model_dir": "/nonexistent", "prompt": [1], "generate": 2}'
-    code = f"import sys; sys.argv = ['decode.py', '--engine-job', {job!r}]; import runpy; runpy.run_path('bench/decode.py', run_name='__main__')"
-    assert torch_sgemm_library(code, tmp_path).endswith("libtorch_cpu.so")
+    # Run as the bench runs its jobs (a script, so bench/ is on sys.path for its sibling
+    # modules): the export job, the one that uses torch, imports everything, then fails on
+    # the missing checkpoint.
+    job = json.dumps({"kind": "export", "model_dir": "/nonexistent", "out": str(tmp_path / "x.pte"),
+                      "bits": None, "group_size": 64})
+    argv = ["bench/decode.py", "--engine-job", job]
+    assert torch_sgemm_library("", tmp_path, argv).endswith("libtorch_cpu.so")
 
 
 def test_the_export_package_warns_when_torch_comes_after_the_loader():

@@ -1,0 +1,139 @@
+"""Where a decode token's time goes on the GPU: CUPTI through ``torch.profiler``, which
+records every CUDA kernel in the process (MLX's included), for mlx-pte and mlx-lm in one
+run, on the same Llama-3.2-1B-shaped checkpoint and exports as bench/gpu_decode.py.
+
+    python3 bench/gpu_profile.py --pte bf16=.gpu/llama1b-bf16.pte.gz --pte q4=.gpu/llama1b-q4.pte.gz \
+        --wheels .whl --hf-dir /root/stash/llama1b [--prompt 128 --generate 64 --top 12]
+
+Per decode token: kernels launched, kernel ms (sum of kernel durations), wall ms (under
+the profiler, which inflates it), the busy fraction (kernel / wall) and the top kernels
+by time. Prefill is taken out by profiling a generation of 1 token and one of
+``--generate + 1`` with the same prompt and dividing the difference by ``--generate``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from gpu_decode import check_mlx_device, gunzip, install_mlx, make_checkpoint, project_root
+from variants import bits_of, load_mlx_lm, parse_pte
+
+
+@dataclass
+class Profile:
+    """Kernel launches and microseconds by kernel name, and wall seconds, of one run."""
+
+    counts: Counter = field(default_factory=Counter)
+    micros: Counter = field(default_factory=Counter)
+    wall: float = 0.0
+
+
+def profiled(run: Callable[[], None]) -> Profile:
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    # The kernels are the device-side events; MLX launches them, so no torch op is their parent.
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        run()
+        wall = time.perf_counter() - t0
+    out = Profile(wall=wall)
+    for event in prof.events():
+        if event.device_type != DeviceType.CUDA or event.name.startswith(("Memcpy", "Memset")):
+            continue
+        out.counts[event.name] += 1
+        out.micros[event.name] += event.time_range.elapsed_us()
+    return out
+
+
+def per_token(make_run: Callable[[int], Callable[[], None]], n: int, top: int, title: str) -> None:
+    """Print the decode-token figures from the difference of an (n+1)- and a 1-token run."""
+    short_run, long_run = make_run(1), make_run(n + 1)
+    short_run(), long_run()  # warm-up: compiles, JITs, fills MLX's graph caches
+    short, long = profiled(short_run), profiled(long_run)
+    counts, micros = long.counts - short.counts, long.micros - short.micros
+    kernels = sum(counts.values()) / n
+    kernel_ms = sum(micros.values()) / n / 1e3
+    wall_ms = (long.wall - short.wall) / n * 1e3
+    if not long.counts:
+        print(f"warning: {title}: the profiler recorded no CUDA kernels (is CUPTI available?)", flush=True)
+    print(f"\n{title}: {kernels:.0f} kernels/token, kernel {kernel_ms:.3f} ms/token, wall {wall_ms:.3f} ms/token "
+          f"(profiled), busy {kernel_ms / wall_ms:.0%}", flush=True)
+    print(f"  {'kernel':<72} {'per tok':>7} {'ms/tok':>7} {'share':>6}")
+    for name, us in micros.most_common(top):
+        print(f"  {name[:72]:<72} {counts[name] / n:>7.1f} {us / n / 1e3:>7.3f} {us / max(sum(micros.values()), 1):>6.0%}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--pte", action="append", required=True, metavar="[LABEL=]PATH",
+                        help=".pte or .pte.gz; LABEL bf16 (default), q8 or q4; repeatable")
+    parser.add_argument("--group-size", type=int, default=64, help="mlx-lm's group size for q8/q4 (default 64)")
+    parser.add_argument("--hf-dir", type=Path, required=True, help="same-shaped HF checkpoint; made if missing")
+    parser.add_argument("--wheels", type=Path, help="MLX CUDA, mlx and mlx-lm wheels to install first")
+    parser.add_argument("--site", type=Path, default=Path("/tmp/site"), help="where wheels are installed")
+    parser.add_argument("--work", type=Path, default=Path("/tmp/gpu_decode"), help="scratch folder")
+    parser.add_argument("--prompt", type=int, default=128, help="prompt length in tokens")
+    parser.add_argument("--generate", type=int, default=64, help="decode tokens profiled (at least 1)")
+    parser.add_argument("--top", type=int, default=12, help="kernels listed per engine")
+    parser.add_argument("--capture", choices=["on", "off", "both"], default="on", help="mlx-pte's capture")
+    parser.add_argument("--skip", action="append", default=[], choices=["mlx-pte", "mlx-lm"])
+    args = parser.parse_args()
+    if args.generate < 1:
+        parser.error("--generate must be at least 1")
+    labelled = [parse_pte(arg, "bf16") for arg in args.pte]
+    args.work.mkdir(parents=True, exist_ok=True)
+    if args.wheels:
+        install_mlx(args.wheels, args.site)
+    sys.path[:0] = [str(args.site), str(project_root(args.work / "src"))]
+    model_dir = make_checkpoint(args.hf_dir)  # imports torch before MLX
+    ptes = {label: gunzip(path, args.work) for label, path in labelled}
+
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SystemExit("error: the profile needs CUDA, which torch does not see")
+    import mlx_pte.runtime.mlx.blas  # noqa: F401
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+    from mlx_pte import Session, generate, load
+
+    device = check_mlx_device(args.wheels is not None)
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    prompt = np.random.default_rng(0).integers(0, vocab, args.prompt).tolist()
+    capacity = args.prompt + args.generate + 1
+    print(f"MLX {mx.__version__} on {device}, torch {torch.__version__} on {torch.cuda.get_device_name()}; "
+          f"prompt {args.prompt}, {args.generate} decode tokens profiled")
+    for label, pte in ptes.items():
+        if "mlx-pte" not in args.skip:
+            program = load(pte)
+            for capture in {"on": [True], "off": [False], "both": [True, False]}[args.capture]:
+                def pte_run(count: int, capture=capture) -> Callable[[], None]:
+                    return lambda: generate(Session(program, capacity=capacity, kv_dtype="bfloat16", capture=capture),
+                                            prompt, max_new_tokens=count, stop_on_eos=False)
+
+                per_token(pte_run, args.generate, args.top, f"mlx-pte {label} capture {'on' if capture else 'off'}")
+            del program
+        if "mlx-lm" not in args.skip:
+            model = load_mlx_lm(model_dir, "bfloat16", bits_of(label), args.group_size)
+
+            def lm_run(count: int) -> Callable[[], None]:
+                def run() -> None:
+                    for _ in zip(range(count), generate_step(mx.array(prompt), model, max_tokens=count)):
+                        pass
+                return run
+
+            per_token(lm_run, args.generate, args.top, f"mlx-lm {label}")
+            del model
+
+
+if __name__ == "__main__":
+    main()

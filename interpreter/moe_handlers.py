@@ -1,0 +1,81 @@
+"""Handlers of the mixture-of-experts ops (``ir.catalog_moe``): ``topk``, ``experts`` and
+``quantized_experts``.
+
+``experts`` runs on ``mx.gather_mm`` (``quantized_experts`` on ``mx.gather_qmm``), which multiplies each token by the weights of the
+experts it selected without materialising them. Prefill routes many tokens: there the
+(token, expert) pairs are sorted by expert first, so each expert's weights are read in
+one contiguous run (``sorted_indices``), and the results are put back in token order.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import mlx_pte.runtime.mlx.blas  # noqa: F401  (load an optimized BLAS before mlx.core)
+import mlx.core as mx
+
+from .handlers import _GLU, Args, RunContext, handles
+
+# (token, expert) pairs from which sorting by expert pays for its two argsorts and gathers
+# (mlx-lm's SwitchGLU sorts from the same count).
+SORT_FROM_PAIRS = 64
+
+# The catalog's activation names -> the glu handler's.
+_GLU_NAMES = {"silu": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh"}
+
+
+@handles("topk")
+def _topk(args: Args, attrs: dict[str, Any], ctx: RunContext) -> tuple[mx.array, mx.array]:
+    (x,) = args
+    dim, k = attrs["dim"], attrs["k"]
+    # MLX's argsort is stable, so equal values keep index order, as torch.topk returns them.
+    order = mx.argsort(-x if attrs["largest"] else x, axis=dim)
+    picked = mx.split(order, [k], axis=dim)[0]
+    return mx.take_along_axis(x, picked, axis=dim), picked.astype(mx.int64)
+
+
+# (rows [..., 1, K], expert indices [...]) -> rows times each selected expert's weight.
+ExpertMatmul = Callable[[mx.array, mx.array, bool], mx.array]
+
+
+def _routed(x: mx.array, indices: mx.array, weights: mx.array, gate_up: ExpertMatmul, down: ExpertMatmul,
+            activation: str) -> mx.array:  # fmt: skip
+    glu = _GLU[_GLU_NAMES[activation]]
+    t, k = indices.shape
+    ids = indices.astype(mx.uint32)
+    if t * k >= SORT_FROM_PAIRS:
+        flat = ids.reshape(-1)
+        order = mx.argsort(flat)
+        ids_sorted = flat[order]
+        rows = mx.expand_dims(x[order // k], -2)  # [T*k, 1, H], grouped by expert
+        gate, up = mx.split(gate_up(rows, ids_sorted, True), 2, axis=-1)
+        y = down(glu(gate, up), ids_sorted, True)
+        y = y[mx.argsort(order)].reshape(t, k, -1)
+    else:
+        gate, up = mx.split(gate_up(mx.expand_dims(x, (-2, -3)), ids, False), 2, axis=-1)  # [T, k, 1, I] each
+        y = down(glu(gate, up), ids, False).squeeze(-2)  # [T, k, H]
+    return (y * mx.expand_dims(weights, -1)).sum(axis=1)
+
+
+def _dense(w: mx.array) -> ExpertMatmul:
+    w_t = w.swapaxes(-1, -2)
+    return lambda rows, ids, is_sorted: mx.gather_mm(rows, w_t, rhs_indices=ids, sorted_indices=is_sorted)
+
+
+def _packed(w: mx.array, scales: mx.array, biases: Optional[mx.array], attrs: dict[str, Any]) -> ExpertMatmul:
+    kwargs = {"group_size": attrs["group_size"], "bits": attrs["bits"], "mode": attrs["mode"]}
+    return lambda rows, ids, is_sorted: mx.gather_qmm(
+        rows, w, scales, biases, rhs_indices=ids, transpose=True, sorted_indices=is_sorted, **kwargs
+    )
+
+
+@handles("experts")
+def _experts(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx.array:
+    x, indices, weights, gate_up, down = args
+    return _routed(x, indices, weights, _dense(gate_up), _dense(down), attrs["activation"])
+
+
+@handles("quantized_experts")
+def _quantized_experts(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx.array:
+    x, indices, weights, *parts = args
+    gate_up, down = _packed(*parts[:3], attrs), _packed(*parts[3:], attrs)
+    return _routed(x, indices, weights, gate_up, down, attrs["activation"])

@@ -1,0 +1,96 @@
+"""Catalog entries of mixture-of-experts models: the router's ``topk`` and the routed
+``experts`` (plain and quantized). Imported by ``ir.catalog``, whose ``define`` they use."""
+from __future__ import annotations
+
+from typing import Optional
+
+from . import quantization
+from .catalog import AttrSpec, OpSpec, define
+from .errors import FormatError
+from .graph import Graph, Instruction, TensorType
+
+# Gated activations ``act(gate) * up`` an expert may use; the names are HF's ``hidden_act``.
+EXPERT_ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh")
+
+
+def _static_shape(graph: Graph, slot: Optional[int]) -> Optional[tuple]:
+    t = graph.slots[slot].type if slot is not None else None
+    return t.shape if isinstance(t, TensorType) and t.shape is not None else None
+
+
+def _check_topk(instr: Instruction, graph: Graph) -> None:
+    shape = _static_shape(graph, instr.inputs[0])
+    attrs = dict(instr.attrs)
+    if shape is None:
+        return
+    dim, k = attrs["dim"], attrs["k"]
+    if not 0 <= dim < len(shape):
+        raise FormatError(f"instruction 'topk': dim {dim} is not an axis of its rank-{len(shape)} operand")
+    size = shape[dim]
+    if k < 1 or (isinstance(size, int) and k > size):
+        raise FormatError(f"instruction 'topk': k = {k} is outside [1, {size}] (the size of axis {dim})")
+
+
+define(
+    OpSpec(
+        "topk",
+        ("x",),
+        (AttrSpec("k", "int"), AttrSpec("dim", "int"), AttrSpec("largest", "bool")),
+        n_outputs=2,
+        output_rule="(values, int64 indices): x's shape with axis dim of size k; the k largest (smallest "
+        "when not largest) in order, equal values by lower index first (torch.topk's order)",
+        check=_check_topk,
+    )
+)
+
+
+def _check_experts(instr: Instruction, graph: Graph) -> None:
+    where = f"instruction {instr.op!r}"
+    x, indices, weights = (_static_shape(graph, s) for s in instr.inputs[:3])
+    if instr.op == "experts":
+        gate_up, down = (_static_shape(graph, s) for s in instr.inputs[3:])
+    else:
+        gate_up, down = (quantization.read_constant(instr, graph, at).shape
+                         for at in quantization.packed_positions(instr.op))  # fmt: skip
+    if None in (x, indices, weights, gate_up, down):
+        return
+    if len(gate_up) != 3 or len(down) != 3:
+        raise FormatError(f"{where}: expert weights must be [E, 2I, H] and [E, H, I], got {gate_up} and {down}")
+    experts, two_i, hidden = gate_up
+    if down[0] != experts or down[1] != hidden or two_i != 2 * down[2]:
+        raise FormatError(
+            f"{where}: gate_up {gate_up} and down {down} do not describe the same experts ([E, 2I, H], [E, H, I])"
+        )
+    if len(x) != 2 or x[1] != hidden:
+        raise FormatError(f"{where}: x must be [T, {hidden}], got {x}")
+    if len(indices) != 2 or tuple(indices) != tuple(weights) or indices[0] != x[0]:
+        raise FormatError(f"{where}: indices {indices} and weights {weights} must both be [T, k] for x {x}")
+    if isinstance(indices[1], int) and not 1 <= indices[1] <= experts:
+        raise FormatError(f"{where}: each token picks {indices[1]} experts of {experts}")
+
+
+_EXPERTS_RULE = (
+    "[T, H]: sum over j of weights[t, j] * down[e] @ (act(gate) * up), [gate; up] = gate_up[e] @ x[t], "
+    "e = indices[t, j]; dtype of x (MLX: gather_mm over the selected experts' weights)"
+)
+define(
+    OpSpec(
+        "experts",
+        ("x", "indices", "weights", "gate_up", "down"),
+        (AttrSpec("activation", "str", choices=EXPERT_ACTIVATIONS),),
+        output_rule=_EXPERTS_RULE,
+        check=_check_experts,
+    )
+)
+define(
+    OpSpec(
+        "quantized_experts",
+        ("x", "indices", "weights", "gate_up", "gate_up_scales", "gate_up_biases?", "down", "down_scales",
+         "down_biases?"),
+        (AttrSpec("activation", "str", choices=EXPERT_ACTIVATIONS), AttrSpec("group_size", "int"),
+         AttrSpec("bits", "int"), AttrSpec("mode", "str")),
+        output_rule=_EXPERTS_RULE + "; each weight replaced by its packed parts, every expert packed as a "
+        "quantized_linear weight (MLX: gather_qmm)",
+        check=_check_experts,
+    )  # fmt: skip
+)

@@ -1,0 +1,126 @@
+"""The streaming export: a weightless skeleton traces the real model's graph, weights reach
+the file one at a time (bounded memory), and the same checkpoint always gives the same bytes.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx_pte.runtime.mlx.blas  # noqa: F401  (load an optimized BLAS before mlx.core)
+import mlx.core as mx
+import numpy as np
+import pytest
+import torch
+
+from mlx_pte.export import quantize as quantize_module
+from mlx_pte.export.hf_attention import ATTN_IMPLEMENTATION
+from mlx_pte.export.hf_checkpoint import load_checkpoint, load_model, load_skeleton, weight_sources
+from mlx_pte.export.hf_errors import CheckpointError
+from mlx_pte.export.hf_export import export_hf
+from mlx_pte.export.hf_geometry import cache_layout
+from mlx_pte.export.hf_wrapper import HFWrapper, trace
+from mlx_pte.ir.errors import FormatError
+from mlx_pte.ir.payload import WEIGHTS_KEY, decode_payload
+from mlx_pte.ir.pte import read_program
+from mlx_pte.ir.quantization import QuantSpec
+
+REPO = Path(__file__).resolve().parents[2]
+MB = 1 << 20
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("export_memory", REPO / "bench" / "export_memory.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["export_memory"] = module  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3n"])
+def test_the_skeleton_traces_the_graph_the_real_model_traces(tiny_checkpoint, family):
+    checkpoint = load_checkpoint(tiny_checkpoint(family))
+    layout = cache_layout(checkpoint.config)
+    skeleton = HFWrapper(load_skeleton(checkpoint, "bfloat16", ATTN_IMPLEMENTATION), layout)
+    real = HFWrapper(load_model(checkpoint, "bfloat16", ATTN_IMPLEMENTATION), layout)
+    a, b = trace(skeleton, 8), trace(real, 8)
+    assert a.graph_module.code == b.graph_module.code
+    assert str(a.graph_signature) == str(b.graph_signature)
+    # Every weight is named after its checkpoint tensor and reads as the real model's value;
+    # the computed buffers (rotary frequencies, scales) equal from_pretrained's.
+    sources = weight_sources(skeleton)
+    real_state = {**dict(real.named_parameters(remove_duplicate=False)), **dict(real.named_buffers())}
+    assert set(sources) | {n for n, _ in skeleton.named_buffers()} == set(real_state)
+    for name, source in sources.items():
+        assert torch.equal(source.tensor(), real_state[name]), name
+    for name, buffer in skeleton.named_buffers():
+        if name not in sources:
+            assert torch.equal(buffer, real_state[name]) and buffer.dtype == real_state[name].dtype, name
+
+
+@pytest.mark.parametrize("quantize", [None, QuantSpec.from_preset("q4", 32)], ids=["bf16", "q4"])
+def test_two_exports_of_one_checkpoint_are_byte_identical(tiny_checkpoint, tmp_path, quantize):
+    source = tiny_checkpoint("qwen3")
+    first = export_hf(source, tmp_path / "a.pte", dtype="bfloat16", max_step=8, progress=False, quantize=quantize)
+    second = export_hf(source, tmp_path / "b.pte", dtype="bfloat16", max_step=8, progress=False, quantize=quantize)
+    assert first.read_bytes() == second.read_bytes()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.pte", "b.pte"]  # no temp file left
+
+
+def test_quantizing_in_row_blocks_gives_mlx_s_packing_of_the_whole_weight(monkeypatch):
+    weight = torch.randn(37, 64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    spec = QuantSpec.from_preset("q4", 32)
+    monkeypatch.setattr(quantize_module, "_QUANTIZE_BLOCK_BYTES", 5 * 64 * 2)  # 5 rows a block
+    blocks = quantize_module._quantize_blocks(weight, spec)
+    whole = mx.quantize(mx.array(weight.view(torch.uint16).numpy()).view(mx.bfloat16), group_size=32, bits=4)
+    for got, want in zip(blocks, whole):
+        want = np.array(want.view(mx.uint16) if want.dtype == mx.bfloat16 else want)
+        assert got.tobytes() == want.tobytes()
+
+
+def test_a_version_2_payload_without_its_weights_is_refused(tiny_checkpoint, tmp_path):
+    out = export_hf(tiny_checkpoint("llama"), tmp_path / "m.pte", max_step=8, progress=False)
+    contents = read_program(out.read_bytes())
+    assert WEIGHTS_KEY in contents.named_data
+    with pytest.raises(FormatError, match="weights .* are missing or truncated"):
+        decode_payload(contents.payload, {})
+    short = {WEIGHTS_KEY: contents.named_data[WEIGHTS_KEY][:-1]}
+    with pytest.raises(FormatError, match="missing or truncated"):
+        decode_payload(contents.payload, short)
+
+
+def test_a_checkpoint_missing_a_weight_is_refused_before_anything_is_written(tmp_path):
+    root = tmp_path / "ckpt"
+    _bench().write_zero_checkpoint(root, "135m", num_hidden_layers=1, vocab_size=64, hidden_size=64,
+                                   intermediate_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=32)  # fmt: skip
+    config = json.loads((root / "config.json").read_text())
+    (root / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 2}))  # weights hold 1 layer
+    with pytest.raises(CheckpointError, match="has no tensor 'model.layers.1.self_attn.q_proj.weight'"):
+        export_hf(root, tmp_path / "m.pte", max_step=8, progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def test_export_peak_memory_is_bounded_by_the_largest_tensor_not_the_model(tmp_path):
+    """A SmolLM2-135M-shaped bf16 checkpoint (4 of its 30 layers: 85 MB of weights, the
+    embedding 57 MB of them), exported in a child whose resident set is polled from outside.
+    Holding the model even once would add its 85 MB to the copies a writer makes."""
+    bench = _bench()
+    shapes = bench.write_zero_checkpoint(tmp_path / "ckpt", "135m", num_hidden_layers=4)
+    largest = max(2 * int(np.prod(s)) for s in shapes.values())
+    imports = bench.run_measured([sys.executable, "-c", "import mlx_pte.cli, mlx_pte.export.hf_export"])
+    export = bench.run_measured(
+        [sys.executable, "-m", "mlx_pte", "export", str(tmp_path / "ckpt"), "-o", str(tmp_path / "m.pte"),
+         "--dtype", "bfloat16", "--no-progress"]
+    )  # fmt: skip
+    added = export.peak_rss - imports.peak_rss
+    assert added <= 2 * largest + 64 * MB, (
+        f"the export peaked {added / MB:.0f} MB above its imports; the largest tensor is {largest / MB:.0f} MB, "
+        f"the weights {bench.weight_bytes(shapes) / MB:.0f} MB"
+    )
+
+
+def test_the_bench_parses_its_arguments():
+    done = subprocess.run([sys.executable, str(REPO / "bench" / "export_memory.py"), "--help"], capture_output=True, text=True)
+    assert done.returncode == 0 and "--baseline-python" in done.stdout

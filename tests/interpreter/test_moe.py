@@ -1,0 +1,170 @@
+"""Mixture-of-experts ops on MLX against HF's own experts and torch.topk (the oracles),
+and the checks that refuse experts whose config does not fit their weights."""
+from __future__ import annotations
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+from mlx_pte.export.hf_checkpoint import load_checkpoint, load_model
+from mlx_pte.export.hf_errors import CheckpointError
+from mlx_pte.export.hf_export import export_hf
+from mlx_pte.interpreter.handlers import HANDLERS, RunContext
+from mlx_pte.interpreter.moe_handlers import SORT_FROM_PAIRS
+from mlx_pte.interpreter.program import load
+from mlx_pte.interpreter.session import Session
+from mlx_pte.ir.catalog import lookup
+from mlx_pte.ir.errors import FormatError
+from mlx_pte.ir.graph import Graph, Instruction, SlotKind, TensorType
+
+HIDDEN, INTER, EXPERTS = 16, 8, 6
+
+
+def _hf_experts(activation: str = "silu") -> Qwen3MoeExperts:
+    config = Qwen3MoeConfig(hidden_size=HIDDEN, moe_intermediate_size=INTER, num_experts=EXPERTS,
+                            hidden_act=activation)  # fmt: skip
+    config._experts_implementation = "eager"
+    module = Qwen3MoeExperts(config)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        torch.nn.init.normal_(module.gate_up_proj, std=0.3)
+        torch.nn.init.normal_(module.down_proj, std=0.3)
+    return module
+
+
+@pytest.mark.parametrize("tokens", [1, 5, SORT_FROM_PAIRS])  # the last is past the sorting threshold
+@pytest.mark.parametrize("activation", ["silu", "gelu_pytorch_tanh"])
+def test_experts_match_hf_experts(tokens: int, activation: str):
+    module = _hf_experts(activation)
+    gen = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, HIDDEN, generator=gen)
+    indices = torch.stack([torch.randperm(EXPERTS, generator=gen)[:2] for _ in range(tokens)])
+    weights = torch.rand(tokens, 2, generator=gen)
+    with torch.no_grad():
+        want = module(x, indices, weights).numpy()
+    args = [mx.array(a.numpy()) for a in (x, indices, weights, module.gate_up_proj.detach(), module.down_proj.detach())]
+    got = HANDLERS["experts"](args, {"activation": activation}, RunContext())
+    np.testing.assert_allclose(np.array(got), want, atol=1e-5, rtol=0)
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    rows=st.lists(st.lists(st.integers(0, 3), min_size=8, max_size=8), min_size=1, max_size=4),
+    k=st.integers(1, 8),
+    largest=st.booleans(),
+)
+def test_topk_matches_torch_and_breaks_ties_by_lower_index(rows, k, largest):
+    """Few distinct values, so most rows tie. torch.topk's order among equal values is its
+    kernel's (nth_element: it differs with the row length and k), so the oracle for indices
+    is a stable sort by value; the values must equal torch's, and so must the chosen set
+    wherever the k-th value is not tied with an unchosen one (the case HF routing can
+    reproduce on any kernel)."""
+    x = torch.tensor(rows, dtype=torch.float32)
+    values, indices = torch.topk(x, k, dim=-1, largest=largest)
+    got_values, got_indices = HANDLERS["topk"]([mx.array(x.numpy())], {"k": k, "dim": 1, "largest": largest},
+                                               RunContext())  # fmt: skip
+    assert got_indices.dtype == mx.int64
+    assert np.array(got_values).tolist() == values.tolist()
+    for row, ours, theirs in zip(rows, np.array(got_indices).tolist(), indices.tolist()):
+        stable = sorted(range(len(row)), key=lambda i: (-row[i] if largest else row[i], i))
+        assert ours == stable[:k]
+        if k == len(row) or row[stable[k - 1]] != row[stable[k]]:
+            assert sorted(ours) == sorted(theirs)
+
+
+def _experts_instr(gate_up: tuple, down: tuple, k: int = 2) -> tuple[Instruction, Graph]:
+    g = Graph()
+    shapes = [(4, HIDDEN), (4, k), (4, k), gate_up, down]
+    dtypes = ["float32", "int64", "float32", "float32", "float32"]
+    inputs = tuple(g.add_slot(f"s{i}", SlotKind.INPUT, TensorType(d, s)) for i, (d, s) in enumerate(zip(dtypes, shapes)))
+    out = g.add_slot("out", SlotKind.TEMP, TensorType("float32", (4, HIDDEN)))
+    return Instruction("experts", inputs, (out,), (("activation", "silu"),)), g
+
+
+def test_catalog_accepts_matching_experts():
+    instr, graph = _experts_instr((EXPERTS, 2 * INTER, HIDDEN), (EXPERTS, HIDDEN, INTER))
+    lookup("experts").validate(instr, graph)
+
+
+@pytest.mark.parametrize(
+    "gate_up, down, k",
+    [
+        ((EXPERTS, 2 * INTER, HIDDEN), (EXPERTS - 1, HIDDEN, INTER), 2),  # expert counts differ
+        ((EXPERTS, 2 * INTER, HIDDEN), (EXPERTS, HIDDEN, INTER + 1), 2),  # gate_up is not 2 x down's I
+        ((EXPERTS, 2 * INTER, HIDDEN), (EXPERTS, HIDDEN, INTER), EXPERTS + 1),  # more picks than experts
+    ],
+)
+def test_catalog_refuses_experts_that_do_not_fit(gate_up, down, k):
+    instr, graph = _experts_instr(gate_up, down, k)
+    with pytest.raises(FormatError, match="experts"):
+        lookup("experts").validate(instr, graph)
+
+
+def _edit_config(path, **fields) -> None:
+    config = json.loads((path / "config.json").read_text())
+    config.update(fields)
+    (path / "config.json").write_text(json.dumps(config))
+
+
+def test_top_k_beyond_the_expert_count_is_one_export_error(tiny_checkpoint, tmp_path):
+    import shutil
+
+    path = tmp_path / "ckpt"
+    shutil.copytree(tiny_checkpoint("qwen3_moe"), path)
+    _edit_config(path, num_experts_per_tok=9)
+    with pytest.raises(CheckpointError, match="num_experts_per_tok=9"):
+        load_model(load_checkpoint(path), "float32", "mlx_pte")
+
+
+def test_expert_count_unlike_the_weights_is_one_export_error(tiny_checkpoint, tmp_path):
+    import shutil
+
+    path = tmp_path / "ckpt"
+    shutil.copytree(tiny_checkpoint("qwen3_moe"), path)
+    _edit_config(path, num_local_experts=6)
+    with pytest.raises(CheckpointError, match="do not load.*"):
+        load_model(load_checkpoint(path), "float32", "mlx_pte")
+
+
+def test_long_prefill_sorted_by_expert_matches_hf(tiny_checkpoint, tmp_path):
+    """30 tokens x top 3 routes past SORT_FROM_PAIRS, so prefill takes the sorted path."""
+    path = tiny_checkpoint("qwen3_moe")
+    program = load(export_hf(path, tmp_path / "m.pte", max_step=32, progress=False))
+    prompt = list(range(40, 70))
+    assert len(prompt) * 3 >= SORT_FROM_PAIRS
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True).eval()
+    with torch.no_grad():
+        want = hf(torch.tensor([prompt]), use_cache=False).logits[0].numpy()
+    for capture in (True, False):
+        session = Session(program, kind="single", capacity=64, capture=capture)
+        got = session.forward(prompt, seq_ids=session.cache.seq_new(), rows=range(len(prompt)))
+        np.testing.assert_allclose(np.array(got), want, atol=1e-4, rtol=0)
+
+
+def test_quantize_packs_every_experts_weight(tiny_checkpoint, tmp_path):
+    from mlx_pte.ir.quantization import QuantSpec, quantized_constants
+
+    spec = QuantSpec("affine", 4, 32)
+    program = load(export_hf(tiny_checkpoint("qwen3_moe"), tmp_path / "q.pte", max_step=16, progress=False,
+                             quantize=spec))  # fmt: skip
+    ops = [i.op for i in program.graph.instructions]
+    assert ops.count("quantized_experts") == 2 and "experts" not in ops
+    packed = {program.graph.slots[s].name for s in quantized_constants(program.graph)}
+    assert {f"body.layers.{i}.mlp.experts.{w}" for i in range(2) for w in ("gate_up_proj", "down_proj")} <= packed
+
+
+def test_group_size_dividing_one_experts_width_is_one_export_error(tiny_checkpoint, tmp_path):
+    from mlx_pte.export.errors import ExportError
+    from mlx_pte.ir.quantization import QuantSpec
+
+    # hidden 64 divides into groups of 64, the experts' intermediate 32 does not
+    with pytest.raises(ExportError, match="--group-size that divides both"):
+        export_hf(tiny_checkpoint("qwen3_moe"), tmp_path / "q.pte", max_step=16, progress=False,
+                  quantize=QuantSpec("affine", 4, 64))  # fmt: skip
+    assert not list(tmp_path.iterdir())
