@@ -29,11 +29,11 @@ from jinja2.compiler import CodeGenerator
 from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 from jinja2.utils import Namespace
 
+from .template_budget import DEFAULT_BUDGET
+
 # Far above any prompt a model's context holds; bounds what one template step may allocate.
 MAX_TEXT = 4_000_000
 MAX_INT_BITS = 1 << 16
-# CPU seconds one render may take: real templates render in milliseconds.
-DEFAULT_BUDGET = 1.0
 # Calls nested this deep are runaway recursion (real templates nest a few macros); Python's
 # own recursion limit would stop a macro at ~160 levels, with a less useful message.
 MAX_CALL_DEPTH = 64

@@ -11,7 +11,7 @@
 - Everything else (embedding, norms, rotary tables, the LM head) is replicated, and each
   rank's cache holds its ``1/N`` of every layer's KV heads.
 - The token ids every rank embeds are rank 0's (one ``all_sum`` of int32 ids), so ranks
-  that follow rank 0's steps (``serving.tp_serve``) pass zeros.
+  that follow rank 0's steps (``serving.parallel.step_channel``) pass zeros.
 
 Which linears are which comes from the manifest's ``extra["tp_plan"]`` (the HF config's
 ``base_model_tp_plan``, recorded at export); a file without one (older, or upstream)

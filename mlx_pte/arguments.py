@@ -9,7 +9,7 @@ import argparse
 import math
 from typing import Callable, Optional, Sequence
 
-from mlx_pte.interpreter.chat_template import DEFAULT_BUDGET as DEFAULT_TEMPLATE_BUDGET
+from mlx_pte.interpreter.template_budget import DEFAULT_BUDGET as DEFAULT_TEMPLATE_BUDGET
 from mlx_pte.runtime.cache import KINDS, KV_DTYPES
 from mlx_pte.serving.engine import DEFAULT_CAPACITY_CONTEXTS
 from mlx_pte.serving.openai.request_body import (

@@ -29,7 +29,7 @@ from mlx_pte.ir.upstream.importer import ImportedPayload
 from mlx_pte.runtime.cache import KIND_BATCHED_SEQUENCE, KINDS, CacheError
 from mlx_pte.serving.engine import DEFAULT_CAPACITY_CONTEXTS
 
-from mlx_pte.serving import tensor_parallel
+from mlx_pte.serving.parallel import ranks as tensor_parallel
 
 from .arguments import (
     add_batching_arguments,
@@ -395,7 +395,7 @@ def run_prompts(args: argparse.Namespace) -> int:
 
     group = tensor_parallel.join_group()
     if group is not None and group.size() > 1:
-        from mlx_pte.serving.tp_serve import serve_ranks
+        from mlx_pte.serving.parallel.step_channel import serve_ranks
 
         with tensor_parallel.lost_ranks(group):
             return serve_ranks(group, engine_for, run_file)
@@ -434,7 +434,7 @@ def serve_command(parser: argparse.ArgumentParser) -> Handler:
 
         group = tensor_parallel.join_group()
         if group is not None and group.size() > 1:
-            from mlx_pte.serving.tp_serve import serve_ranks
+            from mlx_pte.serving.parallel.step_channel import serve_ranks
 
             with tensor_parallel.lost_ranks(group):
                 return serve_ranks(group, engine_for, serve_engine)

@@ -17,7 +17,7 @@ import logging
 import time
 from typing import AsyncIterator
 
-from mlx_pte.interpreter.chat_template import DEFAULT_BUDGET as DEFAULT_TEMPLATE_BUDGET
+from mlx_pte.interpreter.template_budget import DEFAULT_BUDGET as DEFAULT_TEMPLATE_BUDGET
 
 from ..engine import Engine, EngineError, Event
 from .metrics import ServerMetrics

@@ -18,7 +18,7 @@ from mlx_pte.interpreter.program import load
 from mlx_pte.ir.quantization import QuantSpec
 from mlx_pte.ir.pte import read_pte
 from mlx_pte.ir.sharding import ShardingError, linear_roles
-from mlx_pte.serving.tensor_parallel import STOP_BOUND_S, write_local_hostfile
+from mlx_pte.serving.parallel.ranks import STOP_BOUND_S, write_local_hostfile
 from tests.fixtures.exported import MAX_STEP, exported_pte
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -16,7 +16,7 @@ import pytest
 
 from mlx_pte.serving.engine import Engine
 from mlx_pte.serving.openai.app import create_app
-from mlx_pte.serving.tensor_parallel import STOP_BOUND_S
+from mlx_pte.serving.parallel.ranks import STOP_BOUND_S
 from tests.fixtures.exported import exported_pte
 from tests.serving.live_server import free_port, serving
 

@@ -14,7 +14,7 @@ Faults: a follower that dies closes its channel; rank 0 notices at once (a threa
 every channel), reports the rank and exits 1. A follower whose channel closes without
 rank 0's stop message exits 1 naming rank 0. Both ends beat every ``BEAT_S``, so a
 stopped or hung peer (its connection open) is lost after ``SILENCE_S`` too. A collective that fails raises on the
-ranks still alive (``tensor_parallel.lost_ranks``).
+ranks still alive (``ranks.lost_ranks``).
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 
-from .tensor_parallel import RankLostError
+from .ranks import RankLostError
 
 MIRRORED_VERBS = ("seq_new", "seq_rm", "seq_clone", "rewind", "clear")
 # Both ends of a step channel send a beat this often; a peer silent for SILENCE_S (a stopped
