@@ -22,8 +22,8 @@ from mlx_pte.ir.pte import read_pte
 from mlx_pte.ir.upstream.importer import ImportedPayload
 
 from .capture import Capture
-from .handlers import MX_DTYPES, RunContext
-from .plan import GraphRunError, PreparedStep, ShapeKey, int_slots, prepare, specialise
+from .handlers import MX_DTYPES, RunContext, rope_form
+from .plan import GraphRunError, PreparedStep, ShapeKey, int_slots, prepare, specialise, with_attrs
 from .quantized_kernels import check_kernels
 from .temporaries import check_temporaries
 from .tokenizer_dir import tokenizer_fields
@@ -52,6 +52,21 @@ _MAX_SHAPES = 256
 
 class InputError(ValueError):
     """Inputs that do not match the program's signature; the message names the input."""
+
+
+def _rope_forms(steps: list[PreparedStep], weights: Mapping[int, mx.array]) -> list[PreparedStep]:
+    """Each ``rope`` step whose frequencies are a weight, with the fused kernel's form of
+    them (``rope_form``: the base, or the reciprocals) worked out here once, not per call."""
+    forms: dict[int, dict[str, Any]] = {}
+    out = []
+    for step in steps:
+        slot = step.inputs[2] if step.op == "rope" else None
+        if slot is not None and slot in weights:
+            if slot not in forms:
+                forms[slot] = rope_form(weights[slot])
+            step = with_attrs(step, forms[slot])
+        out.append(step)
+    return out
 
 
 def load_weight(raw: Union[bytes, memoryview], t: TensorType) -> mx.array:
@@ -83,7 +98,7 @@ class Program:
         self.graph = graph
         self.weights = dict(weights)
         self.manifest = dict(manifest)
-        self.steps: list[PreparedStep] = prepare(graph)
+        self.steps: list[PreparedStep] = _rope_forms(prepare(graph), self.weights)
         self._host_ints = int_slots(graph)
         self._by_shape: dict[ShapeKey, list[PreparedStep]] = {}
         # Each run starts from this list of slot values: the weights in place, the rest empty.
