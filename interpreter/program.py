@@ -54,6 +54,26 @@ class InputError(ValueError):
     """Inputs that do not match the program's signature; the message names the input."""
 
 
+# Ops that read positions only as values below 2**31: the fused rope (whose kernel takes
+# int32 offsets) and the cache op (which ignores the array: the declared step has them).
+_POSITION_READERS = {"rope": 1, "update_and_attend": 3}
+
+
+def _positions_only(graph: Graph) -> frozenset[int]:
+    """The int64 graph inputs read only as positions: fed as int32, so a file exported
+    with int64 positions casts them once here, not once per layer inside the kernel."""
+    readers: dict[int, list[tuple[str, int]]] = {}
+    for instr in graph.instructions:
+        for i, slot in enumerate(instr.inputs):
+            if slot is not None:
+                readers.setdefault(slot, []).append((instr.op, i))
+    return frozenset(
+        s for s in graph.inputs
+        if graph.slots[s].type.dtype == "int64" and readers.get(s) and s not in graph.outputs
+        and all(_POSITION_READERS.get(op) == i for op, i in readers[s])
+    )  # fmt: skip
+
+
 def _rope_forms(steps: list[PreparedStep], weights: Mapping[int, mx.array]) -> list[PreparedStep]:
     """Each ``rope`` step whose frequencies are a weight, with the fused kernel's form of
     them (``rope_form``: the base, or the reciprocals) worked out here once, not per call."""
@@ -104,6 +124,7 @@ class Program:
         # Each run starts from this list of slot values: the weights in place, the rest empty.
         self._weight_slots: list[Any] = [self.weights.get(s) for s in range(len(graph.slots))]
         self._capture: Optional[Capture] = None
+        self._int32_inputs = _positions_only(graph)
 
     @property
     def capture(self) -> Capture:
@@ -215,8 +236,11 @@ class Program:
             array = value if isinstance(value, mx.array) else mx.array(np.asarray(value))
             if _mx_kind(array.dtype) != _mx_kind(MX_DTYPES[t.dtype]):
                 raise InputError(f"input {name!r} must be {t.dtype}, got {array.dtype}")
-            if array.dtype != MX_DTYPES[t.dtype]:
-                array = array.astype(MX_DTYPES[t.dtype])
+            want = mx.int32 if slot in self._int32_inputs else MX_DTYPES[t.dtype]
+            if array.dtype != want:
+                # Cast on the host where it can: no cast kernel on the device.
+                host = want == mx.int32 and not isinstance(value, mx.array)
+                array = mx.array(np.asarray(value).astype(np.int32)) if host else array.astype(want)
             _check_shape(name, tuple(array.shape), t.shape, bound)
             arrays.append(array)
         return arrays
