@@ -8,7 +8,8 @@ import torch
 from torch.fx import Node
 
 from . import experts_op  # noqa: F401  (defines torch.ops.llm.experts)
-from .graph_builder import Builder, node_args, norm_dim, rank_of
+from .errors import ExportError
+from .graph_builder import Builder, node_args, norm_dim, rank_of, value_of
 from .op_lowerings import _register
 
 
@@ -34,11 +35,21 @@ _register(torch.ops.aten.topk.default, _topk, _check_topk)
 
 def _experts(b: Builder, node: Node) -> None:
     args = node_args(node)
-    b.emit_node(
-        node, "experts",
-        tuple(b.slots[args[k]] for k in ("x", "indices", "weights", "gate_up", "down")),
-        {"activation": str(args["activation"])},
-    )  # fmt: skip
+    routed = tuple(b.slots[args[k]] for k in ("x", "indices", "weights"))
+    attrs = {"activation": str(args["activation"])}
+    gate_up, down = args["gate_up"], args["down"]
+    if gate_up in b.quantized and down in b.quantized:
+        (spec, *gate_up_parts), (down_spec, *down_parts) = b.quantized[gate_up], b.quantized[down]
+        assert spec == down_spec  # one export quantizes every weight to one type
+        b.emit_node(node, "quantized_experts", (*routed, *gate_up_parts, *down_parts), {**attrs, **spec.to_dict()})
+        return
+    if gate_up in b.quantized or down in b.quantized:
+        raise ExportError(
+            f"{node.name}: the quantization's groups divide only one of the experts' widths "
+            f"(gate_up {tuple(value_of(gate_up).shape)}, down {tuple(value_of(down).shape)}); "
+            "choose a --group-size that divides both the hidden and the expert intermediate size"
+        )
+    b.emit_node(node, "experts", (*routed, b.slots[gate_up], b.slots[down]), attrs)
 
 
 _register(torch.ops.llm.experts.default, _experts)

@@ -29,9 +29,9 @@ def export_program(
     out: PathLike,
     manifest: Optional[Mapping[str, Any]] = None,
     quantization: Optional[QuantSpec] = None,
+    fused_projections: bool = True,
     sources: Optional[Mapping[str, TensorSource]] = None,
     progress: Optional[Progress] = None,
-    fused_projections: bool = True,
 ) -> Path:
     """Lower ``ep`` to the MLX backend and write the ``.pte`` to ``out``.
 

@@ -5,7 +5,7 @@ The packing is ``mlx.core.quantize`` itself, run here on the full-precision weig
 the bytes are MLX's own by construction and the same weights always give the same bytes.
 
 Rule (``plan_quantization``): a constant is quantized when every read of it is as the
-weight of a ``linear`` or an ``embedding`` (a tied LM head and its embedding read one
+weight of a ``linear``, an ``embedding`` or ``llm::experts`` (a tied LM head and its embedding read one
 constant, so they share one quantized copy), it is floating point and its rows divide
 into groups (``ir.quantization.keep_reason``). A linear or embedding weight that does not
 fit stays full precision, and the written file reports it
@@ -26,13 +26,14 @@ from mlx_pte.runtime.mlx.bootstrap import mx
 from mlx_pte.ir.graph import TensorType
 from mlx_pte.ir.quantization import QuantizationError, QuantSpec, keep_reason
 
+from . import experts_op  # noqa: F401  (defines torch.ops.llm.experts)
 from .graph_builder import Builder, constant_source, target_key
 from .tensor_source import PartSource, SharedResult, TensorSource
 
 aten = torch.ops.aten
 
-# op -> index of the weight among its arguments
-_WEIGHT_ARG = {aten.linear.default: 1, aten.embedding.default: 0}
+# op -> index of each weight among its arguments
+_WEIGHT_ARG = {aten.linear.default: (1,), aten.embedding.default: (0,), torch.ops.llm.experts.default: (3, 4)}
 
 
 # Rows quantized at once: bounds the float copy MLX makes of a large weight (an embedding).
@@ -44,12 +45,11 @@ class PackedWeight:
     """One weight's packed parts, computed from ``source`` when the first is written."""
 
     spec: QuantSpec
-    source: TensorSource  # the full-precision weight [N, K]
+    source: TensorSource  # the full-precision weight [N, K] (experts: [E, N, K])
 
     def parts(self) -> list[tuple[str, TensorType, PartSource]]:
         """(name suffix, type, source) of each stored part: weight, scales, biases."""
-        n, k = self.source.shape
-        types = [t for t in self.spec.parts((n, k), self.source.dtype) if t is not None]
+        types = [t for t in self.spec.parts(tuple(self.source.shape), self.source.dtype) if t is not None]
         result = SharedResult(lambda: _quantize_blocks(self.source.tensor(), self.spec), len(types))
         return [
             (suffix, TensorType(t.dtype, t.shape), PartSource(result, i, t.shape, t.dtype))
@@ -79,8 +79,8 @@ class QuantizedArrays:
 
 
 def _is_weight_read(user: Node, node: Node, absorbed: frozenset[Node]) -> bool:
-    at = _WEIGHT_ARG.get(target_key(user.target)) if user.op == "call_function" else None
-    return at is not None and user not in absorbed and len(user.args) > at and user.args[at] is node
+    positions = _WEIGHT_ARG.get(target_key(user.target), ()) if user.op == "call_function" else ()
+    return user not in absorbed and any(len(user.args) > at and user.args[at] is node for at in positions)
 
 
 def _weight_reads(node: Node, absorbed: frozenset[Node]) -> tuple[bool, bool]:
@@ -129,7 +129,8 @@ def check_quantizable(spec: QuantSpec) -> None:
 
 
 def quantize_weight(tensor: torch.Tensor, spec: QuantSpec) -> QuantizedArrays:
-    """MLX's packing of a 2-D float weight (its own dtype's scales, for affine).
+    """MLX's packing of a 2-D float weight, or a 3-D experts weight (each expert packed as
+    its own 2-D weight), with its own dtype's scales, for affine.
 
     Raises:
         QuantizationError: this machine's MLX cannot quantize to ``spec``.

@@ -1,13 +1,15 @@
-"""Handlers of the mixture-of-experts ops (``ir.catalog_moe``): ``topk`` and ``experts``.
+"""Handlers of the mixture-of-experts ops (``ir.catalog_moe``): ``topk``, ``experts`` and
+``quantized_experts``; and upstream's ``gather_mm``, ``gather_qmm`` and ``item``, which run
+as imported.
 
-``experts`` runs on ``mx.gather_mm``, which multiplies each token by the weights of the
+``experts`` runs on ``mx.gather_mm`` (``quantized_experts`` on ``mx.gather_qmm``), which multiplies each token by the weights of the
 experts it selected without materialising them. Prefill routes many tokens: there the
 (token, expert) pairs are sorted by expert first, so each expert's weights are read in
 one contiguous run (``sorted_indices``), and the results are put back in token order.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, Optional
 
 import mlx_pte.runtime.mlx.blas  # noqa: F401  (load an optimized BLAS before mlx.core)
 import mlx.core as mx
@@ -32,24 +34,77 @@ def _topk(args: Args, attrs: dict[str, Any], ctx: RunContext) -> tuple[mx.array,
     return mx.take_along_axis(x, picked, axis=dim), picked.astype(mx.int64)
 
 
-@handles("experts")
-def _experts(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx.array:
-    x, indices, weights, gate_up, down = args
-    glu = _GLU[_GLU_NAMES[attrs["activation"]]]
+# (rows [..., 1, K], expert indices [...]) -> rows times each selected expert's weight.
+ExpertMatmul = Callable[[mx.array, mx.array, bool], mx.array]
+
+
+def _routed(x: mx.array, indices: mx.array, weights: mx.array, gate_up: ExpertMatmul, down: ExpertMatmul,
+            activation: str) -> mx.array:  # fmt: skip
+    glu = _GLU[_GLU_NAMES[activation]]
     t, k = indices.shape
     ids = indices.astype(mx.uint32)
-    gate_up_t, down_t = gate_up.swapaxes(-1, -2), down.swapaxes(-1, -2)
     if t * k >= SORT_FROM_PAIRS:
         flat = ids.reshape(-1)
         order = mx.argsort(flat)
         ids_sorted = flat[order]
         rows = mx.expand_dims(x[order // k], -2)  # [T*k, 1, H], grouped by expert
-        h = mx.gather_mm(rows, gate_up_t, rhs_indices=ids_sorted, sorted_indices=True)
-        gate, up = mx.split(h, 2, axis=-1)
-        y = mx.gather_mm(glu(gate, up), down_t, rhs_indices=ids_sorted, sorted_indices=True)
+        gate, up = mx.split(gate_up(rows, ids_sorted, True), 2, axis=-1)
+        y = down(glu(gate, up), ids_sorted, True)
         y = y[mx.argsort(order)].reshape(t, k, -1)
     else:
-        h = mx.gather_mm(mx.expand_dims(x, (-2, -3)), gate_up_t, rhs_indices=ids)  # [T, k, 1, 2I]
-        gate, up = mx.split(h, 2, axis=-1)
-        y = mx.gather_mm(glu(gate, up), down_t, rhs_indices=ids).squeeze(-2)  # [T, k, H]
+        gate, up = mx.split(gate_up(mx.expand_dims(x, (-2, -3)), ids, False), 2, axis=-1)  # [T, k, 1, I] each
+        y = down(glu(gate, up), ids, False).squeeze(-2)  # [T, k, H]
     return (y * mx.expand_dims(weights, -1)).sum(axis=1)
+
+
+def _dense(w: mx.array) -> ExpertMatmul:
+    w_t = w.swapaxes(-1, -2)
+    return lambda rows, ids, is_sorted: mx.gather_mm(rows, w_t, rhs_indices=ids, sorted_indices=is_sorted)
+
+
+def _packed(w: mx.array, scales: mx.array, biases: Optional[mx.array], attrs: dict[str, Any]) -> ExpertMatmul:
+    kwargs = {"group_size": attrs["group_size"], "bits": attrs["bits"], "mode": attrs["mode"]}
+    return lambda rows, ids, is_sorted: mx.gather_qmm(
+        rows, w, scales, biases, rhs_indices=ids, transpose=True, sorted_indices=is_sorted, **kwargs
+    )
+
+
+@handles("experts")
+def _experts(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx.array:
+    x, indices, weights, gate_up, down = args
+    return _routed(x, indices, weights, _dense(gate_up), _dense(down), attrs["activation"])
+
+
+@handles("quantized_experts")
+def _quantized_experts(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx.array:
+    x, indices, weights, *parts = args
+    gate_up, down = _packed(*parts[:3], attrs), _packed(*parts[3:], attrs)
+    return _routed(x, indices, weights, gate_up, down, attrs["activation"])
+
+
+# -- upstream's MoE matmuls (ir.catalog_moe: gather_mm, gather_qmm, item) ----------------
+@handles("gather_mm")
+def _gather_mm(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx.array:
+    a, b, lhs, rhs = args
+    dtype = a.dtype
+    # MLX's CPU gather_mm runs float32 only; its GPU kernels accumulate half types in float32
+    # and round once, which computing in float32 and casting back also gives.
+    if dtype != mx.float32 and mx.default_device().type == mx.DeviceType.cpu:
+        a, b = a.astype(mx.float32), b.astype(mx.float32)
+    out = mx.gather_mm(a, b, lhs_indices=lhs, rhs_indices=rhs, sorted_indices=bool(attrs["sorted_indices"]))
+    return out.astype(dtype)
+
+
+@handles("gather_qmm")
+def _gather_qmm(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx.array:
+    x, w, scales, biases, lhs, rhs = args
+    return mx.gather_qmm(
+        x, w, scales, biases, lhs_indices=lhs, rhs_indices=rhs, transpose=attrs["transpose"],
+        group_size=attrs["group_size"], bits=attrs["bits"], mode=attrs["mode"],
+        sorted_indices=bool(attrs["sorted_indices"]),
+    )  # fmt: skip
+
+
+@handles("item")
+def _item(args: Args, attrs: dict[str, Any], ctx: RunContext) -> int:
+    return int(args[0].item())

@@ -1,9 +1,10 @@
 """Catalog entries of mixture-of-experts models: the router's ``topk`` and the routed
-``experts``. Imported by ``ir.catalog``, whose ``define`` they use."""
+``experts`` (plain and quantized). Imported by ``ir.catalog``, whose ``define`` they use."""
 from __future__ import annotations
 
 from typing import Optional
 
+from . import quantization
 from .catalog import AttrSpec, OpSpec, define
 from .errors import FormatError
 from .graph import Graph, Instruction, TensorType
@@ -45,7 +46,12 @@ define(
 
 def _check_experts(instr: Instruction, graph: Graph) -> None:
     where = f"instruction {instr.op!r}"
-    x, indices, weights, gate_up, down = (_static_shape(graph, s) for s in instr.inputs)
+    x, indices, weights = (_static_shape(graph, s) for s in instr.inputs[:3])
+    if instr.op == "experts":
+        gate_up, down = (_static_shape(graph, s) for s in instr.inputs[3:])
+    else:
+        gate_up, down = (quantization.read_constant(instr, graph, at).shape
+                         for at in quantization.packed_positions(instr.op))  # fmt: skip
     if None in (x, indices, weights, gate_up, down):
         return
     if len(gate_up) != 3 or len(down) != 3:
@@ -74,5 +80,63 @@ define(
         (AttrSpec("activation", "str", choices=EXPERT_ACTIVATIONS),),
         output_rule=_EXPERTS_RULE,
         check=_check_experts,
+    )
+)
+define(
+    OpSpec(
+        "quantized_experts",
+        ("x", "indices", "weights", "gate_up", "gate_up_scales", "gate_up_biases?", "down", "down_scales",
+         "down_biases?"),
+        (AttrSpec("activation", "str", choices=EXPERT_ACTIVATIONS), AttrSpec("group_size", "int"),
+         AttrSpec("bits", "int"), AttrSpec("mode", "str")),
+        output_rule=_EXPERTS_RULE + "; each weight replaced by its packed parts, every expert packed as a "
+        "quantized_linear weight (MLX: gather_qmm)",
+        check=_check_experts,
+    )  # fmt: skip
+)
+
+# Upstream ExecuTorch's MoE matmuls (GatherMmNode, GatherQmmNode), imported as MLX runs them.
+# ``sorted_indices`` (0 or 1, or a host int computed at run time) promises the indices are
+# sorted, which lets MLX take its grouped kernel; with unsorted indices the result is wrong,
+# as upstream's runtime gives it.
+_GATHER_RULE = (
+    "a @ b over the batch dims, a's matrices picked by lhs_indices and b's by rhs_indices (each defaults to "
+    "every batch index; indices and batch dims broadcast); dtype of a (MLX: gather_mm)"
+)
+define(
+    OpSpec(
+        "gather_mm",
+        ("a", "b", "lhs_indices?", "rhs_indices?"),
+        (AttrSpec("sorted_indices", "int_or_ref"),),
+        output_rule=_GATHER_RULE,
+    )
+)
+
+
+def _check_gather_qmm(instr: Instruction, graph: Graph) -> None:
+    attrs = dict(instr.attrs)
+    try:
+        quantization.QuantSpec(attrs["mode"], attrs["bits"], attrs["group_size"])
+    except quantization.QuantizationError as exc:
+        raise FormatError(f"instruction 'gather_qmm': {exc}") from None
+
+
+define(
+    OpSpec(
+        "gather_qmm",
+        ("x", "w", "scales", "biases?", "lhs_indices?", "rhs_indices?"),
+        (AttrSpec("transpose", "bool"), AttrSpec("group_size", "int"), AttrSpec("bits", "int"),
+         AttrSpec("mode", "str"), AttrSpec("sorted_indices", "int_or_ref")),
+        output_rule="x @ dequantize(w) (w's last two axes swapped when transpose) over the batch dims, x's "
+        "matrices picked by lhs_indices and w's by rhs_indices, as gather_mm; dtype of x (MLX: gather_qmm)",
+        check=_check_gather_qmm,
+    )  # fmt: skip
+)
+define(
+    OpSpec(
+        "item",
+        ("x",),
+        output_rule="int: the value of x, which holds one integer (read on the host: the device syncs)",
+        scalar_result=True,
     )
 )

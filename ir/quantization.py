@@ -9,9 +9,10 @@ ordinary constant slot, exactly as ``mlx.core.quantize`` returns them:
                                         e4m3 scale: mxfp4, mxfp8, nvfp4)
     biases  like scales                 affine only
 
-The instructions that read the parts (``quantized_linear``, ``quantized_embedding``: the
-weight operand of ``linear`` / ``embedding`` replaced in place by ``weight, scales,
-biases?``) carry the type as attributes ``(group_size, bits, mode)``. Loading checks that
+The instructions that read the parts (``quantized_linear``, ``quantized_embedding``,
+``quantized_experts``: each weight operand of ``linear`` / ``embedding`` / ``experts``
+replaced in place by ``weight, scales, biases?``; experts' ``[E, N, K]`` weights pack each
+expert as its own ``[N, K]``, with a leading ``E`` on every part) carry the type as attributes ``(group_size, bits, mode)``. Loading checks that
 the parts are exactly what MLX's packing of that type gives (``check_operands``) and that
 every instruction reading one packed weight agrees on its parts and type
 (``quantized_constants``), so parts and type form one logical constant.
@@ -59,7 +60,7 @@ PRESETS: dict[str, tuple[str, int]] = {
 @dataclass(frozen=True)
 class PartType:
     dtype: str
-    shape: tuple[int, int]
+    shape: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -114,18 +115,19 @@ class QuantSpec:
         return f"{self.mode} {self.bits}-bit, groups of {self.group_size}"
 
     def unfit_reason(self, shape: tuple[int, ...]) -> Optional[str]:
-        """Why a weight of ``shape`` cannot be quantized with this type (None if it can)."""
-        if len(shape) != 2:
-            return f"it has {len(shape)} dims, not 2"
-        if shape[1] % self.group_size:
-            return f"its {shape[1]} columns do not divide into groups of {self.group_size}"
+        """Why a weight of ``shape`` cannot be quantized with this type (None if it can):
+        ``[N, K]``, or ``[E, N, K]`` (experts, each packed as its own ``[N, K]``)."""
+        if len(shape) not in (2, 3):
+            return f"it has {len(shape)} dims, not 2 (3 for experts)"
+        if shape[-1] % self.group_size:
+            return f"its {shape[-1]} columns do not divide into groups of {self.group_size}"
         return None
 
-    def parts(self, shape: tuple[int, int], dtype: str) -> tuple[PartType, PartType, Optional[PartType]]:
-        """The (weight, scales, biases) types of a ``dtype[N, K]`` weight (biases None unless affine)."""
-        n, k = shape
-        scales = PartType(dtype if self.affine else FP_SCALE_DTYPE, (n, k // self.group_size))
-        return PartType(PACKED_DTYPE, (n, k * self.bits // 32)), scales, scales if self.affine else None
+    def parts(self, shape: tuple[int, ...], dtype: str) -> tuple[PartType, PartType, Optional[PartType]]:
+        """The (weight, scales, biases) types of a ``dtype[..., N, K]`` weight (biases None unless affine)."""
+        *lead, k = shape
+        scales = PartType(dtype if self.affine else FP_SCALE_DTYPE, (*lead, k // self.group_size))
+        return PartType(PACKED_DTYPE, (*lead, k * self.bits // 32)), scales, scales if self.affine else None
 
 
 def _listed(values: tuple[int, ...]) -> str:
@@ -134,8 +136,15 @@ def _listed(values: tuple[int, ...]) -> str:
 
 # -- the typed view, and its checks on load ----------------------------------------------
 
-# op -> index of its packed weight operand (scales and biases follow it).
-QUANTIZED_OPS = {"quantized_linear": 1, "quantized_embedding": 0}
+# op -> index of its (first) packed weight operand (scales and biases follow it).
+QUANTIZED_OPS = {"quantized_linear": 1, "quantized_embedding": 0, "quantized_experts": 3}
+# op -> index of every packed weight it reads, where there are several.
+_PACKED_AT = {"quantized_experts": (3, 6)}
+
+
+def packed_positions(op: str) -> tuple[int, ...]:
+    """Where a quantized op's packed weights start among its operands."""
+    return _PACKED_AT.get(op, (QUANTIZED_OPS[op],))
 
 
 @dataclass(frozen=True)
@@ -146,7 +155,7 @@ class QuantizedConstant:
     scales: int
     biases: Optional[int]
     spec: QuantSpec
-    shape: tuple[int, int]  # [N, K]
+    shape: tuple[int, ...]  # [N, K], or [E, N, K] for experts
     # Of the dequantized values (what full precision would store); None: a linear of an fp
     # mode whose input's dtype is not recorded (an imported upstream program's temps).
     dtype: Optional[str]
@@ -163,8 +172,9 @@ def _static(graph: Graph, slot: int, what: str, where: str) -> TensorType:
     return t
 
 
-def read_constant(instr: Instruction, graph: Graph) -> QuantizedConstant:
-    """The quantized weight ``instr`` reads, checked against its type.
+def read_constant(instr: Instruction, graph: Graph, at: Optional[int] = None) -> QuantizedConstant:
+    """The quantized weight ``instr`` reads (its packed parts from operand ``at``; default
+    its first), checked against its type.
 
     Raises:
         FormatError: unsupported attributes, or parts whose dtypes and shapes are not what
@@ -175,15 +185,17 @@ def read_constant(instr: Instruction, graph: Graph) -> QuantizedConstant:
         spec = QuantSpec(instr.attr("mode"), instr.attr("bits"), instr.attr("group_size"))
     except QuantizationError as exc:
         raise FormatError(f"{where}: {exc}") from None
-    at = QUANTIZED_OPS[instr.op]
+    at = QUANTIZED_OPS[instr.op] if at is None else at
+    rank = 3 if instr.op == "quantized_experts" else 2
     w_slot, s_slot, b_slot = instr.inputs[at : at + 3]
     w = _static(graph, w_slot, "the packed weight", where)
     s = _static(graph, s_slot, "the scales", where)
-    if w.dtype != PACKED_DTYPE or len(w.shape) != 2 or (w.shape[1] * 32) % spec.bits:
+    if w.dtype != PACKED_DTYPE or len(w.shape) != rank or (w.shape[-1] * 32) % spec.bits:
+        lead = "E, N" if rank == 3 else "N"
         raise FormatError(
-            f"{where}: the packed weight must be {PACKED_DTYPE}[N, K * bits / 32], got {w.dtype}{list(w.shape)}"
+            f"{where}: the packed weight must be {PACKED_DTYPE}[{lead}, K * bits / 32], got {w.dtype}{list(w.shape)}"
         )
-    shape = (w.shape[0], w.shape[1] * 32 // spec.bits)
+    shape = (*w.shape[:-1], w.shape[-1] * 32 // spec.bits)
     if spec.affine:
         dtype = s.dtype
     else:
@@ -247,14 +259,15 @@ def quantized_constants(graph: Graph) -> dict[int, QuantizedConstant]:
     for instr in graph.instructions:
         if instr.op not in QUANTIZED_OPS:
             continue
-        qc = read_constant(instr, graph)
-        seen = found.setdefault(qc.weight, qc)
-        if (seen.scales, seen.biases, seen.spec, seen.shape) != (qc.scales, qc.biases, qc.spec, qc.shape):
-            name = graph.slots[qc.weight].name
-            raise FormatError(
-                f"the packed weight {name!r} is read as two different quantized weights "
-                f"({seen.spec.describe()} and {qc.spec.describe()}, or different scales/biases)"
-            )
+        for at in packed_positions(instr.op):
+            qc = read_constant(instr, graph, at)
+            seen = found.setdefault(qc.weight, qc)
+            if (seen.scales, seen.biases, seen.spec, seen.shape) != (qc.scales, qc.biases, qc.spec, qc.shape):
+                name = graph.slots[qc.weight].name
+                raise FormatError(
+                    f"the packed weight {name!r} is read as two different quantized weights "
+                    f"({seen.spec.describe()} and {qc.spec.describe()}, or different scales/biases)"
+                )
     return found
 
 
@@ -272,16 +285,16 @@ def keep_reason(spec: QuantSpec, shape: tuple[int, ...], dtype: str, other_reads
 
 
 def full_precision_weights(graph: Graph, spec: QuantSpec) -> dict[str, str]:
-    """The constant weights of ``linear`` / ``embedding`` instructions that a file
-    quantized to ``spec`` kept at full precision, each with the reason."""
-    readers = {"linear": 1, "embedding": 0}
+    """The constant weights of ``linear`` / ``embedding`` / ``experts`` instructions that a
+    file quantized to ``spec`` kept at full precision, each with the reason."""
+    readers = {"linear": (1,), "embedding": (0,), "experts": (3, 4)}
     constants = set(graph.constants())
     weights: set[int] = set()
     other: set[int] = set()
     for instr in graph.instructions:
         for i, slot in enumerate(instr.inputs):
             if slot in constants:
-                (weights if readers.get(instr.op) == i else other).add(slot)
+                (weights if i in readers.get(instr.op, ()) else other).add(slot)
     kept = {}
     for slot in sorted(weights):
         t = graph.slots[slot].type

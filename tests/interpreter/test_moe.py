@@ -145,3 +145,26 @@ def test_long_prefill_sorted_by_expert_matches_hf(tiny_checkpoint, tmp_path):
         session = Session(program, kind="single", capacity=64, capture=capture)
         got = session.forward(prompt, seq_ids=session.cache.seq_new(), rows=range(len(prompt)))
         np.testing.assert_allclose(np.array(got), want, atol=1e-4, rtol=0)
+
+
+def test_quantize_packs_every_experts_weight(tiny_checkpoint, tmp_path):
+    from mlx_pte.ir.quantization import QuantSpec, quantized_constants
+
+    spec = QuantSpec("affine", 4, 32)
+    program = load(export_hf(tiny_checkpoint("qwen3_moe"), tmp_path / "q.pte", max_step=16, progress=False,
+                             quantize=spec))  # fmt: skip
+    ops = [i.op for i in program.graph.instructions]
+    assert ops.count("quantized_experts") == 2 and "experts" not in ops
+    packed = {program.graph.slots[s].name for s in quantized_constants(program.graph)}
+    assert {f"body.layers.{i}.mlp.experts.{w}" for i in range(2) for w in ("gate_up_proj", "down_proj")} <= packed
+
+
+def test_group_size_dividing_one_experts_width_is_one_export_error(tiny_checkpoint, tmp_path):
+    from mlx_pte.export.errors import ExportError
+    from mlx_pte.ir.quantization import QuantSpec
+
+    # hidden 64 divides into groups of 64, the experts' intermediate 32 does not
+    with pytest.raises(ExportError, match="--group-size that divides both"):
+        export_hf(tiny_checkpoint("qwen3_moe"), tmp_path / "q.pte", max_step=16, progress=False,
+                  quantize=QuantSpec("affine", 4, 64))  # fmt: skip
+    assert not list(tmp_path.iterdir())
