@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable, Optional
 
+import numpy as np
+
 from mlx_pte.runtime.mlx.bootstrap import mx
 
 from mlx_pte.ir.catalog import CATALOG
@@ -225,14 +227,48 @@ _TOKENS_FIRST = {2: (2, 1, 0, 3), 1: (1, 2, 0, 3)}
 _TOKENS_BACK = {2: (2, 1, 0, 3), 1: (2, 0, 1, 3)}
 
 
-def rope_fast(x: mx.array, positions: mx.array, inv_freq: mx.array, seq_axis: int = 2) -> mx.array:
+def rope_fast(x: mx.array, positions: mx.array, inv_freq: mx.array, seq_axis: int = 2,
+              base: Optional[float] = None, freqs: Optional[mx.array] = None) -> mx.array:
     """``rope`` on MLX's fused kernel, for any positions: it takes one offset per batch
     item, so each token goes on the batch axis (a transposed view, no copy). The kernel
-    rotates in fp32 and rounds once (the table path rounds cos/sin first)."""
+    rotates in fp32 and rounds once (the table path rounds cos/sin first).
+
+    ``base`` (when ``inv_freq`` is the base form ``base ** (-2i / D)``) or ``freqs``
+    (``1 / inv_freq``) come from ``rope_form``, computed once at load; without either
+    the reciprocal is taken here, on every call.
+    """
     tokens = mx.transpose(x, _TOKENS_FIRST[seq_axis])
-    out = mx.fast.rope(tokens, x.shape[-1], traditional=False, base=None, scale=1.0,
-                       offset=positions.reshape(-1), freqs=mx.reciprocal(inv_freq))  # fmt: skip
+    if base is None and freqs is None:
+        freqs = mx.reciprocal(inv_freq)
+    out = mx.fast.rope(tokens, x.shape[-1], traditional=False, base=base, scale=1.0,
+                       offset=positions.reshape(-1), freqs=freqs)  # fmt: skip
     return mx.transpose(out, _TOKENS_BACK[seq_axis])
+
+
+# How close (relative) ``inv_freq`` must be to the base form for the kernel to compute
+# it: a few fp32 ulps, the spread between HF's fp32 table and the kernel's own exp2.
+_BASE_FORM_RTOL = 1e-6
+
+
+def rope_form(inv_freq: mx.array) -> dict[str, Any]:
+    """The ``rope_fast`` keywords for a constant ``inv_freq``, computed once at load.
+
+    ``{"base": b}`` when ``inv_freq[i] == b ** (-2i / D)`` (plain RoPE: the kernel derives
+    the frequencies itself, no operand), otherwise ``{"freqs": 1 / inv_freq}`` evaluated
+    (scaled RoPE such as llama3's, whose low frequencies are stretched).
+    """
+    values = np.array(inv_freq.astype(mx.float32), dtype=np.float64).reshape(-1)
+    half = values.size
+    if half > 1 and values[0] == 1.0 and 0.0 < values[-1] < 1.0:
+        # From the last (smallest) entry: its exponent is the largest, so an ulp of error
+        # there moves the estimated base least.
+        base = float(values[-1] ** (-half / (half - 1)))
+        expected = base ** (-np.arange(half) / half)
+        if np.allclose(values, expected, rtol=_BASE_FORM_RTOL, atol=0.0):
+            return {"base": base}
+    # The kernel takes 1 / freqs again in fp32: a reciprocal rounded once (from float64)
+    # brings that back closest to the table.
+    return {"freqs": mx.array((1.0 / values).astype(np.float32))}
 
 
 _ROPE_FROM_TABLE = {axis: mx.compile(partial(rope_from_table, seq_axis=axis)) for axis in _TOKENS_FIRST}
@@ -243,7 +279,7 @@ def _rope(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx.array:
     # On the CPU MLX has no rope kernel (mx.fast.rope falls back to separate ops), so
     # the compiled table is faster there.
     if mx.default_device().type == mx.DeviceType.gpu:
-        return rope_fast(*args, attrs["seq_axis"])
+        return rope_fast(*args, attrs["seq_axis"], attrs.get("base"), attrs.get("freqs"))
     return _ROPE_FROM_TABLE[attrs["seq_axis"]](*args)
 
 

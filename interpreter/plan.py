@@ -132,6 +132,12 @@ def prepare_instruction(index: int, instr: Instruction) -> PreparedStep:
     return _prepared(index, instr.op, HANDLERS[instr.op], instr.inputs, instr.outputs, dict(instr.attrs))
 
 
+def with_attrs(step: PreparedStep, extra: Mapping[str, Any]) -> PreparedStep:
+    """``step`` rebound with ``extra`` added to its constant attributes (values computed
+    once at load, e.g. from a weight)."""
+    return _prepared(step.index, step.op, step.handler, step.inputs, step.outputs, {**step.attrs, **extra})
+
+
 def prepare(graph: Graph) -> list[PreparedStep]:
     """Every instruction of ``graph``, in order, prepared (handlers resolved once)."""
     return [prepare_instruction(i, instr) for i, instr in enumerate(graph.instructions)]

@@ -22,8 +22,8 @@ from mlx_pte.ir.pte import read_pte
 from mlx_pte.ir.upstream.importer import ImportedPayload
 
 from .capture import Capture
-from .handlers import MX_DTYPES, RunContext
-from .plan import GraphRunError, PreparedStep, ShapeKey, int_slots, prepare, specialise
+from .handlers import MX_DTYPES, RunContext, rope_form
+from .plan import GraphRunError, PreparedStep, ShapeKey, int_slots, prepare, specialise, with_attrs
 from .quantized_kernels import check_kernels
 from .temporaries import check_temporaries
 from .tokenizer_dir import tokenizer_fields
@@ -52,6 +52,41 @@ _MAX_SHAPES = 256
 
 class InputError(ValueError):
     """Inputs that do not match the program's signature; the message names the input."""
+
+
+# Ops that read positions only as values below 2**31: the fused rope (whose kernel takes
+# int32 offsets) and the cache op (which ignores the array: the declared step has them).
+_POSITION_READERS = {"rope": 1, "update_and_attend": 3}
+
+
+def _positions_only(graph: Graph) -> frozenset[int]:
+    """The int64 graph inputs read only as positions: fed as int32, so a file exported
+    with int64 positions casts them once here, not once per layer inside the kernel."""
+    readers: dict[int, list[tuple[str, int]]] = {}
+    for instr in graph.instructions:
+        for i, slot in enumerate(instr.inputs):
+            if slot is not None:
+                readers.setdefault(slot, []).append((instr.op, i))
+    return frozenset(
+        s for s in graph.inputs
+        if graph.slots[s].type.dtype == "int64" and readers.get(s) and s not in graph.outputs
+        and all(_POSITION_READERS.get(op) == i for op, i in readers[s])
+    )  # fmt: skip
+
+
+def _rope_forms(steps: list[PreparedStep], weights: Mapping[int, mx.array]) -> list[PreparedStep]:
+    """Each ``rope`` step whose frequencies are a weight, with the fused kernel's form of
+    them (``rope_form``: the base, or the reciprocals) worked out here once, not per call."""
+    forms: dict[int, dict[str, Any]] = {}
+    out = []
+    for step in steps:
+        slot = step.inputs[2] if step.op == "rope" else None
+        if slot is not None and slot in weights:
+            if slot not in forms:
+                forms[slot] = rope_form(weights[slot])
+            step = with_attrs(step, forms[slot])
+        out.append(step)
+    return out
 
 
 def load_weight(raw: Union[bytes, memoryview], t: TensorType) -> mx.array:
@@ -83,12 +118,13 @@ class Program:
         self.graph = graph
         self.weights = dict(weights)
         self.manifest = dict(manifest)
-        self.steps: list[PreparedStep] = prepare(graph)
+        self.steps: list[PreparedStep] = _rope_forms(prepare(graph), self.weights)
         self._host_ints = int_slots(graph)
         self._by_shape: dict[ShapeKey, list[PreparedStep]] = {}
         # Each run starts from this list of slot values: the weights in place, the rest empty.
         self._weight_slots: list[Any] = [self.weights.get(s) for s in range(len(graph.slots))]
         self._capture: Optional[Capture] = None
+        self._int32_inputs = _positions_only(graph)
 
     @property
     def capture(self) -> Capture:
@@ -200,8 +236,11 @@ class Program:
             array = value if isinstance(value, mx.array) else mx.array(np.asarray(value))
             if _mx_kind(array.dtype) != _mx_kind(MX_DTYPES[t.dtype]):
                 raise InputError(f"input {name!r} must be {t.dtype}, got {array.dtype}")
-            if array.dtype != MX_DTYPES[t.dtype]:
-                array = array.astype(MX_DTYPES[t.dtype])
+            want = mx.int32 if slot in self._int32_inputs else MX_DTYPES[t.dtype]
+            if array.dtype != want:
+                # Cast on the host where it can: no cast kernel on the device.
+                host = want == mx.int32 and not isinstance(value, mx.array)
+                array = mx.array(np.asarray(value).astype(np.int32)) if host else array.astype(want)
             _check_shape(name, tuple(array.shape), t.shape, bound)
             arrays.append(array)
         return arrays

@@ -175,21 +175,32 @@ class Pool:
         flat = self.data.reshape(rows_ * heads * slots_, dim)
         self.data = mx.put_along_axis(flat, index, values, axis=0).reshape(rows_, heads, slots_, dim)
 
-    def write_runs(self, row: int, runs: Sequence[Run], starts: Sequence[mx.array], update: mx.array) -> None:
+    def write_runs(self, row: int, runs: Sequence[Run], update: mx.array) -> None:
         """Write ``update``'s tokens ([1, H, T, D]) in order over the slot ``runs`` of ``row``.
 
-        One ``slice_update`` per run (a step of one sequence has 1-2 runs): fewer and
-        cheaper ops than the flat scatter. ``starts[i]`` is ``mx.array([row, runs[i].start])``
-        (built once per step by the caller, shared by every layer).
+        One static slice write per run (a step of one sequence has 1-2 runs): the row and
+        slots are host ints, so each lowers to a plain ``SliceUpdate`` (no offset array, no
+        dynamic-offset kernel), fewer and cheaper ops than the flat scatter.
         """
         self._check_update(update, sum(run.length for run in runs))
         self.reserve(row + 1, max(run.start + run.length for run in runs))
         update = cast(update, self.dtype)
         offset = 0
-        for run, start in zip(runs, starts):
+        for run in runs:
             part = update if len(runs) == 1 else update[:, :, offset : offset + run.length]
-            self.data = mx.slice_update(self.data, part, start, axes=(0, 2))
+            self._set(row, run.start, part)
             offset += run.length
+
+    def _set(self, row: int, start: int, part: mx.array) -> None:
+        """Replace ``self.data`` by a copy with ``part`` ([1, H, L, D]) at ``(row, start)``.
+
+        Item assignment with Python slices is MLX's static slice update, but it rebinds
+        the handle it is called on; ``data[...]`` is a new handle to the same array (no
+        graph node), so any other holder of the old handle keeps its snapshot.
+        """
+        fresh = self.data[...]
+        fresh[row : row + 1, :, start : start + part.shape[2]] = part
+        self.data = fresh
 
     def _check_update(self, update: mx.array, tokens: int) -> None:
         shape = tuple(update.shape)
@@ -214,8 +225,7 @@ class Pool:
             return  # the source never wrote this layer: nothing to copy
         length = min(length, self.slots)
         self.reserve(dst + 1, length)
-        prefix = self.data[src : src + 1, :, :length]
-        self.data = mx.slice_update(self.data, prefix, mx.array([dst, 0]), axes=(0, 2))
+        self._set(dst, 0, self.data[src : src + 1, :, :length])
 
 
 @dataclass

@@ -2,7 +2,8 @@
 
 Both keep, per layer, one K and one V pool whose row r is sequence r's history (the
 single kind uses row 0). A step writes all its tokens first (a step of one sequence in
-one ``slice_update`` per contiguous slot run, others in one scatter per pool), then attends either span by span (each span reads its run plan's runs in logical order,
+one static slice write per contiguous slot run, others in one scatter per pool), then
+attends either span by span (each span reads its run plan's runs in logical order,
 with the mask the run plan asks for) or, when several sequences step together and it
 is cheaper, as one padded batch over their rows (see ``padded``).
 
@@ -118,12 +119,8 @@ class SequencePools:
         if len(runs) == 1:
             # One sequence: its K/V land in 1-2 contiguous slot runs.
             span, run = runs[0]
-            starts = self._memo.get(
-                plan, ("starts", index),
-                lambda: [mx.array([span.seq_id, w.start]) for w in run.write],
-            )
-            pools.k.write_runs(span.seq_id, run.write, starts, k)
-            pools.v.write_runs(span.seq_id, run.write, starts, v)
+            pools.k.write_runs(span.seq_id, run.write, k)
+            pools.v.write_runs(span.seq_id, run.write, v)
         else:
             at = self._memo.get(plan, ("slots", index), lambda: token_slots(plan, layout))
             for pool in (pools.k, pools.v):

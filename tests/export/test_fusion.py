@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -247,3 +248,38 @@ def test_both_rope_paths_match_hf(rope, seq_axis, dtype):
         inv_freq = mx.array(rotary.rotary.inv_freq.numpy())
         got = rope(mx.array(_mx_input(q)), mx.array(positions.numpy()), inv_freq, seq_axis)
         assert_matches([got], [expected], TOLERANCE[dtype])
+
+
+LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 64}  # fmt: skip
+
+
+@pytest.mark.parametrize("scaling", [None, LLAMA3_SCALING], ids=["plain", "llama3"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_the_load_time_rope_form_matches_hf_and_needs_no_per_call_reciprocal(scaling, dtype):
+    """``rope_form`` picks the kernel's base form for plain RoPE and precomputed reciprocals
+    otherwise (scaled, or a table rounded off the base form); either, used from a compiled function as capture does, matches HF."""
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    from mlx_pte.interpreter.handlers import rope_form
+
+    rotary = hf_blocks.Rotary()
+    rotary.rotary = LlamaRotaryEmbedding(type(hf_blocks.CONFIG)(**{**hf_blocks.CONFIG.to_dict(), "rope_scaling": scaling}))
+    rotary = hf_blocks.in_dtype(rotary, dtype)
+    form = rope_form(mx.array(rotary.rotary.inv_freq.numpy()))
+    # in_dtype rounds a half-precision block's table to that dtype: no longer the base form.
+    assert list(form) == (["base"] if scaling is None and dtype == torch.float32 else ["freqs"])
+    compiled = mx.compile(lambda x, pos, inv: rope_fast(x, pos, inv, 2, **form))
+    for t in (1, 9):
+        q, k, positions = _qk(t, dtype)
+        with torch.no_grad():
+            expected, _ = rotary(q, k, positions)
+        args = (mx.array(_mx_input(q)), mx.array(positions.numpy()), mx.array(rotary.rotary.inv_freq.numpy()))
+        got = rope_fast(*args, 2, **form)
+        # The kernel's fp32 angle from reciprocals (1 / freqs) is an ulp or two off HF's
+        # product, which at positions in the hundreds reaches ~2e-5 of the output.
+        assert_matches([got], [expected], max(TOLERANCE[dtype], 3e-5))
+        # Compiled (the form's arrays captured as constants), the CPU fallback's ops fuse
+        # and may round differently: within the half-precision tolerance of the eager call.
+        np.testing.assert_allclose(np.array(compiled(*args).astype(mx.float32)),
+                                   np.array(got.astype(mx.float32)), rtol=1e-2, atol=1e-2)  # fmt: skip

@@ -181,3 +181,22 @@ def test_the_first_bucket_of_a_process_is_not_recompiled(tmp_path_factory, tiny_
     out = subprocess.run([sys.executable, "-c", script, str(path)], capture_output=True, text=True, check=True)
     first, after = map(int, out.stdout.split())
     assert first > 0 and after == first
+
+
+def test_int64_positions_are_fed_as_int32_with_the_same_logits(fresh_program):
+    """An export declaring int64 positions (read only by rope and the cache op) gets them
+    as int32 at the graph input, once, so no layer casts them; the values are unchanged."""
+    program = fresh_program("llama")
+    names = [program.graph.slots[s].name for s in program.graph.inputs]
+    declared = {n: t.dtype for n, t in zip(names, program.input_types)}
+    assert declared["positions"] == "int64"
+    ids, positions, rows = np.array([PROMPT[:4]]), np.arange(4, dtype=np.int64), np.array([3])
+    for inputs in ([ids, positions, rows], [mx.array(ids), mx.array(positions), mx.array(rows)]):
+        bound = dict(zip(names, program._bind_inputs(inputs)))
+        assert bound["positions"].dtype == mx.int32
+        assert [bound[n].dtype for n in names if n != "positions"] == [mx.int64] * (len(names) - 1)
+    walked = Session(program, kind="single", capacity=64).forward(PROMPT[:4])
+    # The same graph with its positions fed at the declared int64 (the narrowing off).
+    program._int32_inputs = frozenset()
+    wide = Session(program, kind="single", capacity=64).forward(PROMPT[:4])
+    np.testing.assert_array_equal(np.array(walked), np.array(wide))

@@ -1,6 +1,8 @@
 """The MLX pool: lazy allocation, doubling growth, explicit casts, bounds (mlx_runtime.md §1)."""
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -149,3 +151,41 @@ def test_out_of_bounds_is_a_clear_error_that_changes_nothing(act):
         act(pool)
     assert isinstance(info.value, CacheError)
     np.testing.assert_array_equal(np.array(pool.data), before)
+
+
+def primitives(a: mx.array, tmp_path) -> list[str]:
+    """The primitive names in ``a``'s unevaluated graph (MLX's own dot export)."""
+    path = tmp_path / "graph.dot"
+    mx.export_to_dot(str(path), a)
+    return re.findall(r'label ="(\w+)"', path.read_text())
+
+
+def test_write_runs_places_tokens_like_a_scatter_of_their_slots():
+    runs = (Run(6, 2), Run(0, 3))  # a ring's wrapped write
+    update = mx.array(tokens(5, start=20))
+    by_runs = Pool(H, D, mx.float32, max_slots=8, first_slots=8, max_rows=3)
+    by_scatter = Pool(H, D, mx.float32, max_slots=8, first_slots=8, max_rows=3)
+    for pool in (by_runs, by_scatter):
+        write(pool, 0, tokens(8), row=2)
+    by_runs.write_runs(2, runs, update)
+    by_scatter.scatter(mx.array([6, 7, 0, 1, 2], mx.int32), update, 7, mx.full((5,), 2, mx.int32), 2)
+    np.testing.assert_array_equal(np.array(by_runs.data), np.array(by_scatter.data))
+
+
+def test_write_runs_is_a_static_slice_update(tmp_path):
+    pool = Pool(H, D, mx.float32, max_slots=8, first_slots=8)
+    write(pool, 0, tokens(3))
+    mx.eval(pool.data)
+    pool.write_runs(0, (Run(3, 2),), mx.array(tokens(2)))
+    assert primitives(pool.data, tmp_path) == ["SliceUpdate"]
+
+
+def test_write_runs_and_fork_leave_another_holder_of_the_array_untouched():
+    pool = Pool(H, D, mx.float32, max_slots=8, first_slots=8, max_rows=2)
+    write(pool, 0, tokens(4), row=1)
+    held = pool.data  # e.g. a read in flight, or another pool's handle
+    before = np.array(held)
+    pool.write_runs(0, (Run(1, 2),), mx.array(tokens(2, start=50)))
+    pool.fork_row(1, 0, 3)
+    np.testing.assert_array_equal(np.array(held), before)
+    np.testing.assert_array_equal(np.array(pool.read(0, 0, 3)), tokens(3))
