@@ -48,6 +48,25 @@ class TensorSource(Protocol):
         ...
 
 
+class RowSource(TensorSource, Protocol):
+    """A source that can also produce a block of its rows alone (``row_reader``)."""
+
+    def rows(self, start: int, stop: int) -> torch.Tensor:
+        """Rows ``[start, stop)`` along the first axis, as a new CPU tensor; reads only them."""
+        ...
+
+
+def row_reader(source: TensorSource) -> Callable[[int, int], torch.Tensor]:
+    """A function from ``(start, stop)`` to those rows of ``source``'s value: the source's
+    own ``rows`` when it has one (nothing but the block is read), else slices of its
+    value, read once."""
+    rows = getattr(source, "rows", None)
+    if rows is not None:
+        return rows
+    whole = source.tensor()
+    return lambda start, stop: whole[start:stop]
+
+
 class _FromTensor:
     """``data`` as the bytes of ``tensor``."""
 
@@ -81,6 +100,9 @@ class ArraySource(_FromTensor):
 
     def tensor(self) -> torch.Tensor:
         return self.value.detach().contiguous()
+
+    def rows(self, start: int, stop: int) -> torch.Tensor:
+        return self.value.detach()[start:stop].contiguous()
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from mlx_pte.export import quantize as quantize_module
 from mlx_pte.export.hf_attention import ATTN_IMPLEMENTATION
@@ -22,6 +23,8 @@ from mlx_pte.export.hf_errors import CheckpointError
 from mlx_pte.export.hf_export import export_hf
 from mlx_pte.export.hf_geometry import cache_layout
 from mlx_pte.export.hf_wrapper import HFWrapper, trace
+from mlx_pte.export.safetensors_file import CheckpointTensor, SafetensorsFiles
+from mlx_pte.export.tensor_source import ArraySource
 from mlx_pte.ir.errors import FormatError
 from mlx_pte.ir.payload import WEIGHTS_KEY, decode_payload
 from mlx_pte.ir.pte import read_program
@@ -69,15 +72,39 @@ def test_two_exports_of_one_checkpoint_are_byte_identical(tiny_checkpoint, tmp_p
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.pte", "b.pte"]  # no temp file left
 
 
+def _whole_weight_packing(weight: torch.Tensor) -> list[bytes]:
+    parts = mx.quantize(mx.array(weight.view(torch.uint16).numpy()).view(mx.bfloat16), group_size=32, bits=4)
+    return [np.array(p.view(mx.uint16) if p.dtype == mx.bfloat16 else p).tobytes() for p in parts]
+
+
 def test_quantizing_in_row_blocks_gives_mlx_s_packing_of_the_whole_weight(monkeypatch):
     weight = torch.randn(37, 64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
-    spec = QuantSpec.from_preset("q4", 32)
     monkeypatch.setattr(quantize_module, "_QUANTIZE_BLOCK_BYTES", 5 * 64 * 2)  # 5 rows a block
-    blocks = quantize_module._quantize_blocks(weight, spec)
-    whole = mx.quantize(mx.array(weight.view(torch.uint16).numpy()).view(mx.bfloat16), group_size=32, bits=4)
-    for got, want in zip(blocks, whole):
-        want = np.array(want.view(mx.uint16) if want.dtype == mx.bfloat16 else want)
-        assert got.tobytes() == want.tobytes()
+    blocks = quantize_module._quantize_blocks(ArraySource(weight), QuantSpec.from_preset("q4", 32))
+    assert [b.tobytes() for b in blocks] == _whole_weight_packing(weight)
+
+
+def test_a_checkpoint_weight_is_quantized_from_row_blocks_never_read_whole(monkeypatch, tmp_path):
+    weight = torch.randn(37, 64, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    save_file({"w": weight}, tmp_path / "model.safetensors")
+    files = SafetensorsFiles(tmp_path)
+    reads: list[tuple[int, int]] = []
+    read_rows = CheckpointTensor.rows
+
+    def rows(self, start, stop):
+        reads.append((start, stop))
+        return read_rows(self, start, stop)
+
+    def whole(self):
+        raise AssertionError("the whole weight was read")
+
+    monkeypatch.setattr(CheckpointTensor, "rows", rows)
+    monkeypatch.setattr(CheckpointTensor, "tensor", whole)
+    monkeypatch.setattr(quantize_module, "_QUANTIZE_BLOCK_BYTES", 5 * 64 * 2)
+    source = CheckpointTensor(files, "w", (37, 64), "bfloat16")
+    blocks = quantize_module._quantize_blocks(source, QuantSpec.from_preset("q4", 32))
+    assert [b.tobytes() for b in blocks] == _whole_weight_packing(weight)
+    assert reads == [(i, min(i + 5, 37)) for i in range(0, 37, 5)]
 
 
 def test_a_version_2_payload_without_its_weights_is_refused(tiny_checkpoint, tmp_path):
