@@ -48,6 +48,9 @@ class Job:
     fed: int = 0  # prompt tokens in its sequence (forked or prefilled)
     # Finished samples' sequences with the tokens they hold, kept until the job ends.
     finished: list[tuple[int, list[int]]] = field(default_factory=list)
+    # Admitted beside a running prompt it shares ``length`` tokens with, not yet written:
+    # (that job, length). It forks that job's sequence once the shared part is in.
+    share: Optional[tuple["Job", int]] = None
 
     @property
     def prompt_len(self) -> int:

@@ -20,6 +20,12 @@ they hold; a later prompt sharing a prefix forks one (``seq_clone``) and prefill
 rest. Retained sequences use only room no admitted request has reserved: admission evicts
 them, least recently used first, before a request would have to wait, so whether and when
 a request starts is decided as without the store.
+
+Requests admitted beside a running prompt that shares at least ``MIN_SHARE`` leading
+tokens with theirs (more than any retained sequence) prefill that part once: admitted as
+usual (the same reservation), such a request carries ``share`` and waits without a
+sequence until its source has written the shared part, then forks the source's sequence
+there and prefills the rest. If the source ended first, or cannot fork, it starts cold.
 """
 from __future__ import annotations
 
@@ -28,11 +34,16 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-from mlx_pte.runtime.cache import CacheControl, Step, Verdict
+from mlx_pte.runtime.cache import ALLOWED, CacheControl, Step, Verdict
 
 from .jobs import Draw, Job, Sample
 from .prompt_store import PromptStore, Retained
 from .requests import EngineStats, RequestHandle, RequestRejected, SequenceState, Status
+
+
+# The fewest shared prompt tokens worth waiting for: a request admitted beside a running
+# prompt that shares fewer computes them itself rather than wait for them to be written.
+MIN_SHARE = 4
 
 
 @dataclass(frozen=True)
@@ -197,6 +208,8 @@ class Scheduler:
                     step.add_decode(job, sample)
         for job in self.active:
             if job.fed < job.prompt_len and step.size < budget:
+                if job.share is not None and self._take_share(job, step) is None:
+                    continue  # its shared prefix is not written yet
                 self._add_chunk(step, job, job.samples[0].seq_id)  # type: ignore[arg-type]
         while self.waiting and step.size < budget:
             head = self.waiting[0]
@@ -224,6 +237,13 @@ class Scheduler:
         """Admit the head of the queue into ``step`` if room allows; else say why it waits."""
         reason = self._room_for(job)
         if reason is None:
+            share = self._running_share(job)
+            if share is not None:
+                # The prefix is being prefilled by a running request: wait for it, then
+                # fork it, rather than computing it twice.
+                job.share = share
+                self._start(job, None)
+                return True
             seq_id = self._open_sequence(job)
             verdict = self._check_first_chunk(step, job, seq_id)
             if not verdict and (job.fed or len(self.prompt_store)):
@@ -256,7 +276,53 @@ class Scheduler:
                     f"requests have reserved {self.reserved}; it starts when some finish")
         return None
 
-    def _start(self, job: Job, seq_id: int) -> None:
+    def _running_share(self, job: Job) -> Optional[tuple[Job, int]]:
+        """The running request whose prompt shares the longest prefix with ``job``'s (at
+        least ``MIN_SHARE`` tokens, more than any retained sequence offers), and that
+        length; None when there is none."""
+        best: Optional[tuple[Job, int]] = None
+        limit = job.prompt_len - 1  # the prompt's last token is always computed, for its logits
+        for other in self.active:
+            length = _common_prefix(other.ids, job.ids, limit)
+            if length >= MIN_SHARE and (best is None or length > best[1]):
+                best = (other, length)
+        if best is None:
+            return None
+        retained = self.prompt_store.matches(job.ids)
+        return best if not retained or retained[0].length < best[1] else None
+
+    def _take_share(self, job: Job, step: StepPlan) -> Optional[Verdict]:
+        """Give a job waiting on a shared prefix its sequence once the prefix is written:
+        a fork of its source's, or (the source gone, or unable to fork) a new one. None
+        while it must still wait; else ALLOWED (its first chunk may go in this step)."""
+        source, length = job.share  # type: ignore[misc]
+        seq = source.samples[0].seq_id
+        running = source in self.active
+        if running and (source.share is not None or (seq is not None and source.fed < length)):
+            return None
+        alive = running and seq is not None
+        seq_id = None
+        if alive and self.cache.can_clone(seq, length):  # type: ignore[arg-type]
+            seq_id = self.cache.seq_clone(seq, length)  # type: ignore[arg-type]
+            job.fed = length
+            if not self._check_first_chunk(step, job, seq_id):  # as a request admitted alone: cold
+                self.cache.seq_rm(seq_id)
+                seq_id, job.fed = None, 0
+        if seq_id is None:
+            seq_id = self.cache.seq_new()
+            if not self._check_first_chunk(step, job, seq_id):
+                self.cache.seq_rm(seq_id)  # the cache cannot take it yet: wait, as queued requests do
+                return None
+        job.share = None
+        job.samples[0].seq_id = seq_id
+        job.samples[0].length = job.fed
+        if job.fed:
+            job.handle.stats.cached_tokens = job.fed
+            self.stats.prefix_hits += 1
+            self.stats.cached_tokens += job.fed
+        return ALLOWED
+
+    def _start(self, job: Job, seq_id: Optional[int]) -> None:
         job.samples[0].seq_id = seq_id
         job.samples[0].length = job.fed
         self.active.append(job)
@@ -388,3 +454,11 @@ class Scheduler:
 
     def waiting_handles(self) -> list[RequestHandle]:
         return [job.handle for job in self.waiting]
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
+    n = min(len(a), len(b), limit)
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n

@@ -26,7 +26,7 @@ from mlx_pte.runtime.cache import CACHE_FACTORY, NEUTRAL_BACKEND, CacheConfig, C
 from mlx_pte.serving.engine.jobs import Job, Sample
 from mlx_pte.serving.engine.prompt_store import PromptStore
 from mlx_pte.serving.engine.requests import Request, RequestHandle, RequestRejected
-from mlx_pte.serving.engine.scheduler import Limits, Scheduler
+from mlx_pte.serving.engine.scheduler import MIN_SHARE, Limits, Scheduler
 
 from tests.serving.test_engine_reuse_admission import BASES, TAILS, sample_cap, worst_case_units
 
@@ -163,6 +163,10 @@ def machine(kind: str):
             plan = sched.plan()
             admitted = [j for j in waiting if j in sched.active]
             refused = [j for j, _ in plan.refused]
+            if size is None:  # a job waiting on a shared prefix: its chunk is the plan's
+                admitted_ids = {j.handle.id for j in admitted}
+                size = plan.step.size - sum(c for j, c in plan.step.chunks if j.handle.id in admitted_ids)
+                running = [(j.prompt_len, len(j.samples), j.max_tokens) for j in sched.active if j not in admitted]
             expected = self.expected_admissions(waiting, size, running)
             assert (admitted, refused) == expected, (admitted, refused, expected)
             for job in admitted:
@@ -232,6 +236,8 @@ def machine(kind: str):
             size = sum(1 for j in sched.active for s in j.live if s.pending is not None)
             for job in sched.active:
                 if job.fed < job.prompt_len and size < budget:
+                    if job.share is not None:
+                        return None, []  # whether it forks now, and where, is checked by content
                     size += min(job.prompt_len - job.fed, budget - size)
             return size, [(j.prompt_len, len(j.samples), j.max_tokens) for j in sched.active]
 
@@ -241,6 +247,7 @@ def machine(kind: str):
             by content elsewhere) leaves to compute, up to the budget."""
             lim = self.sched.limits
             admitted, refused = [], []
+            running_jobs = list(self.sched.active)
             for job in waiting:
                 if size >= lim.token_budget:
                     break
@@ -248,8 +255,15 @@ def machine(kind: str):
                 slots = sum(r[1] for r in running) + n
                 units = sum(worst_case_units(kind, lim.capacity, MAX_CONTEXT, *r) for r in running)
                 units += worst_case_units(kind, lim.capacity, MAX_CONTEXT, job.prompt_len, n, job.max_tokens)
+                # One admitted to share a running prompt's prefix waits for it without a
+                # sequence, so the cache is asked nothing yet.
+                shares = job.share is not None
+                if shares:
+                    source, length = job.share
+                    assert length >= MIN_SHARE and source in running_jobs
+                    assert job.ids[:length] == source.ids[:length] and length < job.prompt_len
                 fits = (slots <= lim.token_budget and (lim.max_seqs is None or slots <= lim.max_seqs)
-                        and units <= lim.capacity and not self.cache.blocked)
+                        and units <= lim.capacity and (shares or not self.cache.blocked))
                 if not fits:
                     if running:
                         break
@@ -257,7 +271,9 @@ def machine(kind: str):
                     continue
                 admitted.append(job)
                 running = running + [(job.prompt_len, n, job.max_tokens)]
-                size += min(job.prompt_len - job.fed, lim.token_budget - size)
+                running_jobs = running_jobs + [job]
+                if not shares:
+                    size += min(job.prompt_len - job.fed, lim.token_budget - size)
             return admitted, refused
 
         # -- invariants -------------------------------------------------------------------
