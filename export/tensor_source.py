@@ -48,18 +48,10 @@ class TensorSource(Protocol):
         ...
 
 
-class RowSource(TensorSource, Protocol):
-    """A source that can also produce a block of its rows alone (``row_reader``)."""
-
-    def rows(self, start: int, stop: int) -> torch.Tensor:
-        """Rows ``[start, stop)`` along the first axis, as a new CPU tensor; reads only them."""
-        ...
-
-
 def row_reader(source: TensorSource) -> Callable[[int, int], torch.Tensor]:
-    """A function from ``(start, stop)`` to those rows of ``source``'s value: the source's
-    own ``rows`` when it has one (nothing but the block is read), else slices of its
-    value, read once."""
+    """A function from ``(start, stop)`` to those rows (first axis) of ``source``'s value,
+    as a new CPU tensor: the source's own ``rows(start, stop)`` when it has one (a
+    checkpoint tensor reads nothing but the block), else slices of its value, read once."""
     rows = getattr(source, "rows", None)
     if rows is not None:
         return rows

@@ -104,6 +104,25 @@ def _fused_parts(stored_name: str) -> list[str]:
     return [".".join([*tokens[:at], leaf, *tokens[at + 1 :]]) for leaf in tokens[at].split("+")]
 
 
+def _assert_stored_as_parts_packs(program, qc, parts: list[mx.array], spec: QuantSpec) -> int:
+    """Each stored part (weight, scales, biases) of ``qc`` holds ``mx.quantize`` of each of
+    ``parts`` (the projections fused into it, in order), each starting at a multiple of
+    ``ALIGN`` rows with zero rows between; returns the stored rows."""
+    stored = [program.weights[s] for s in qc.slots]
+    start = 0
+    for i, part in enumerate(parts):
+        expected = mx.quantize(part, group_size=spec.group_size, bits=spec.bits, mode=spec.mode)
+        assert len(stored) == len(expected)
+        for got, want in zip(stored, expected):
+            assert got.dtype == want.dtype
+            assert mx.array_equal(got[start : start + part.shape[0]], want).item()
+        end = start + part.shape[0]
+        start = end + (-end % ALIGN if i + 1 < len(parts) else 0)
+        assert all(not mx.any(got[end:start]).item() for got in stored)
+    assert all(got.shape[0] == start for got in stored)
+    return start
+
+
 @pytest.mark.parametrize("name", SPECS)
 def test_every_linear_and_the_embedding_are_stored_as_mx_quantize_packs_them(model, quantized, name):
     program, spec = quantized(name), SPECS[name]
@@ -112,21 +131,9 @@ def test_every_linear_and_the_embedding_are_stored_as_mx_quantize_packs_them(mod
     held = [p for stored in found for p in _fused_parts(stored)]
     assert sorted(held) == sorted(params)  # every weight here is a linear's or the embedding's, stored once
     for stored_name, qc in found.items():
-        stored = [np.array(program.weights[s]) for s in qc.slots]
-        parts = _fused_parts(stored_name)
-        start = 0
-        for i, part in enumerate(parts):  # a fused part starts at a multiple of ALIGN rows, zero rows between
-            param = params[part]
-            expected = mx.quantize(_mlx(param), group_size=spec.group_size, bits=spec.bits, mode=spec.mode)
-            assert len(stored) == len(expected)
-            for got, want in zip(stored, expected):
-                assert got.dtype == np.array(want).dtype
-                np.testing.assert_array_equal(got[start : start + param.shape[0]], np.array(want))
-            end = start + param.shape[0]
-            start = end + (-end % ALIGN if i + 1 < len(parts) else 0)
-            assert all(not got[end:start].any() for got in stored)
-        assert (qc.spec, qc.shape, qc.dtype) == (spec, (start, params[parts[0]].shape[1]), "float32")
-        assert all(got.shape[0] == start for got in stored)
+        rows = _assert_stored_as_parts_packs(program, qc, [_mlx(params[p]) for p in _fused_parts(stored_name)], spec)
+        width = params[_fused_parts(stored_name)[0]].shape[1]
+        assert (qc.spec, qc.shape, qc.dtype) == (spec, (rows, width), "float32")
     assert any("+" in n for n in found)  # the fused projections are checked too
     ops = {i.op for i in program.graph.instructions}
     assert {"quantized_linear", "quantized_embedding"} <= ops and not ops & {"linear", "embedding"}
@@ -208,13 +215,8 @@ def test_bfloat16_weights_quantize_with_bfloat16_scales(model, tmp_path):
     bf16 = copy.deepcopy(model).to(torch.bfloat16)
     program = load(export_program(export_tiny_attention(bf16), tmp_path / "bf16.pte", quantization=SPECS["q4"]))
     spec = SPECS["q4"]
+    params = dict(bf16.named_parameters())
     for qc in quantized_constants(program.graph).values():
-        name = program.graph.slots[qc.weight].name
-        param = bf16.get_parameter(name).detach()
-        source = mx.array(param.view(torch.uint16).numpy()).view(mx.bfloat16)
-        expected = mx.quantize(source, group_size=spec.group_size, bits=spec.bits)
+        parts = [params[p].detach() for p in _fused_parts(program.graph.slots[qc.weight].name)]
         assert qc.dtype == "bfloat16"
-        for slot, want in zip(qc.slots, expected):
-            got = program.weights[slot]
-            assert got.dtype == want.dtype
-            assert mx.array_equal(got, want).item()
+        _assert_stored_as_parts_packs(program, qc, [mx.array(p.view(torch.uint16).numpy()).view(mx.bfloat16) for p in parts], spec)
