@@ -2,7 +2,8 @@
 outside the process, on zero-weight checkpoints of real models' shapes.
 
     .venv/bin/python bench/export_memory.py                      # 1.2B bf16 and q4 (Llama-3.2-1B shape)
-    .venv/bin/python bench/export_memory.py --shapes 1b 8b       # adds Llama-3.1-8B (16 GB of weights)
+    .venv/bin/python bench/export_memory.py --shapes 1b 8b       # adds Llama-3.1-8B bf16 (16 GB of weights)
+    .venv/bin/python bench/export_memory.py --shapes 135m --q4 135m --layers 2   # a quick smoke run
     .venv/bin/python bench/export_memory.py --baseline-python /other/checkout/.venv/bin/python
 
 Each checkpoint is written on the fly into a temporary directory as a sparse safetensors
@@ -174,7 +175,9 @@ def measure(python: str, checkpoint: Path, out: Path, quantize: Optional[str], l
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="+", choices=tuple(SHAPES), default=["1b"])
-    parser.add_argument("--no-q4", action="store_true", help="skip the q4 export of each shape")
+    parser.add_argument("--q4", nargs="*", choices=tuple(SHAPES), default=["1b"],
+                        help="shapes also exported with --quantize q4 (default: 1b; none when given no shape)")
+    parser.add_argument("--layers", type=int, default=None, help="override each shape's layer count (a quick run)")
     parser.add_argument("--no-load", action="store_true", help="skip measuring load")
     parser.add_argument("--baseline-python", help="also run every case with this interpreter (another checkout)")
     parser.add_argument("--workdir", default=None, help="where the checkpoint and outputs go (default: a temp dir)")
@@ -184,11 +187,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     for shape in args.shapes:
         work = Path(tempfile.mkdtemp(prefix=f"export_memory_{shape}_", dir=args.workdir))
         try:
-            weights = weight_bytes(write_zero_checkpoint(work / "ckpt", shape))
+            overrides = {} if args.layers is None else {"num_hidden_layers": args.layers}
+            weights = weight_bytes(write_zero_checkpoint(work / "ckpt", shape, **overrides))
             free = shutil.disk_usage(work).free
             if free < 2.2 * weights:
                 raise SystemExit(f"{work} has {free / GB:.1f} GB free; the {shape} case needs {2.2 * weights / GB:.1f} GB")
-            for quantize in [None] + ([] if args.no_q4 else ["q4"]):
+            for quantize in [None] + (["q4"] if shape in args.q4 else []):
                 for label, python in pythons:
                     row = measure(python, work / "ckpt", work / "out.pte", quantize, load=not args.no_load and shape != "8b")
                     rows.append({"shape": shape, "weights": weights, "type": quantize or "bf16", "run": label, **row})

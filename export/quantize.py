@@ -13,6 +13,7 @@ fit stays full precision, and the written file reports it
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -24,11 +25,12 @@ from torch.fx import Node
 from mlx_pte.runtime.mlx.bootstrap import mx
 
 from mlx_pte.ir.graph import TensorType
+from mlx_pte.ir.payload import ITEMSIZE
 from mlx_pte.ir.quantization import QuantizationError, QuantSpec, keep_reason
 
 from . import experts_op  # noqa: F401  (defines torch.ops.llm.experts)
 from .graph_builder import Builder, constant_source, target_key
-from .tensor_source import PartSource, SharedResult, TensorSource
+from .tensor_source import PartSource, SharedResult, TensorSource, row_reader
 
 aten = torch.ops.aten
 
@@ -50,23 +52,30 @@ class PackedWeight:
     def parts(self) -> list[tuple[str, TensorType, PartSource]]:
         """(name suffix, type, source) of each stored part: weight, scales, biases."""
         types = [t for t in self.spec.parts(tuple(self.source.shape), self.source.dtype) if t is not None]
-        result = SharedResult(lambda: _quantize_blocks(self.source.tensor(), self.spec), len(types))
+        result = SharedResult(lambda: _quantize_blocks(self.source, self.spec), len(types))
         return [
             (suffix, TensorType(t.dtype, t.shape), PartSource(result, i, t.shape, t.dtype))
             for i, (suffix, t) in enumerate(zip(("", ".scales", ".biases"), types))
         ]
 
 
-def _quantize_blocks(tensor: torch.Tensor, spec: QuantSpec) -> list[np.ndarray]:
-    """``quantize_weight``'s parts, computed a block of rows at a time (rows quantize
-    independently, so the bytes are the same as one call's)."""
-    rows = max(1, _QUANTIZE_BLOCK_BYTES // max(1, tensor[0].numel() * tensor.element_size()))
-    blocks = [quantize_weight(tensor[i : i + rows], spec) for i in range(0, tensor.shape[0], rows)]
-    del tensor
-    fields = [[b.weight for b in blocks], [b.scales for b in blocks]]
-    if spec.affine:
-        fields.append([b.biases for b in blocks])  # type: ignore[misc]
-    return [np.concatenate(f) for f in fields]
+def _quantize_blocks(source: TensorSource, spec: QuantSpec) -> list[np.ndarray]:
+    """``quantize_weight``'s parts of ``source``, computed a block of rows at a time, each
+    block read alone from the checkpoint (``tensor_source.row_reader``) and written into
+    the parts' arrays; rows quantize independently, so the bytes are one call's."""
+    count = source.shape[0]
+    row_bytes = ITEMSIZE[source.dtype] * math.prod(source.shape[1:])
+    step = max(1, _QUANTIZE_BLOCK_BYTES // max(1, row_bytes))
+    read = row_reader(source)
+    parts: list[np.ndarray] = []
+    for start in range(0, count, step):
+        block = quantize_weight(read(start, min(start + step, count)), spec)
+        fields = [block.weight, block.scales] + ([block.biases] if spec.affine else [])
+        if not parts:
+            parts = [np.empty((count, *f.shape[1:]), f.dtype) for f in fields]
+        for part, f in zip(parts, fields):
+            part[start : start + f.shape[0]] = f
+    return parts
 
 
 @dataclass(frozen=True)

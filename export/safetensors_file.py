@@ -13,7 +13,7 @@ import mmap
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
+from typing import Mapping, Optional
 
 import numpy as np
 import torch
@@ -109,9 +109,14 @@ class SafetensorsFiles:
             t = torch.from_numpy(array)
         return (t.view(torch.bfloat16) if e.dtype == torch.bfloat16 else t).reshape(e.shape)
 
-    def release(self, name: str) -> None:
+    def release(self, name: str, start: int = 0, stop: Optional[int] = None) -> None:
+        """Drop the pages of rows ``[start, stop)`` (first axis; default all) of ``name``."""
         e = self._entries[name]
-        e.file.release(e.start, e.end)
+        if stop is None or not e.shape:
+            e.file.release(e.start, e.end)
+            return
+        row_bytes = (e.end - e.start) // max(1, e.shape[0])
+        e.file.release(e.start + start * row_bytes, e.start + stop * row_bytes)
 
 
 class _quiet_readonly:
@@ -129,6 +134,12 @@ class _quiet_readonly:
         self._catch.__exit__(*exc)
 
 
+def _owned(view: torch.Tensor, target: torch.dtype) -> torch.Tensor:
+    """A view of the mapping as a tensor of ``target`` that outlives the pages' release
+    (one copy; a cast makes it)."""
+    return view.to(target) if view.dtype != target else view.clone()
+
+
 @dataclass(frozen=True)
 class CheckpointTensor:
     """A weight read from the checkpoint and converted to ``dtype`` (as ``from_pretrained``
@@ -140,11 +151,15 @@ class CheckpointTensor:
     dtype: str
 
     def tensor(self) -> torch.Tensor:
-        view = self.files.read(self.key)
-        target = TORCH_OF[self.dtype]
-        # A view of the mapping needs one copy to outlive the release; a cast makes it.
-        value = view.to(target) if view.dtype != target else view.clone()
+        value = _owned(self.files.read(self.key), TORCH_OF[self.dtype])
         self.files.release(self.key)
+        return value
+
+    def rows(self, start: int, stop: int) -> torch.Tensor:
+        """Rows ``[start, stop)``, converted; only their pages are touched, and dropped
+        after (a quantized embedding is read a block at a time, never whole)."""
+        value = _owned(self.files.read(self.key)[start:stop], TORCH_OF[self.dtype])
+        self.files.release(self.key, start, stop)
         return value
 
     def data(self) -> np.ndarray:

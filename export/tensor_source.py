@@ -48,6 +48,17 @@ class TensorSource(Protocol):
         ...
 
 
+def row_reader(source: TensorSource) -> Callable[[int, int], torch.Tensor]:
+    """A function from ``(start, stop)`` to those rows (first axis) of ``source``'s value,
+    as a new CPU tensor: the source's own ``rows(start, stop)`` when it has one (a
+    checkpoint tensor reads nothing but the block), else slices of its value, read once."""
+    rows = getattr(source, "rows", None)
+    if rows is not None:
+        return rows
+    whole = source.tensor()
+    return lambda start, stop: whole[start:stop]
+
+
 class _FromTensor:
     """``data`` as the bytes of ``tensor``."""
 
@@ -81,6 +92,9 @@ class ArraySource(_FromTensor):
 
     def tensor(self) -> torch.Tensor:
         return self.value.detach().contiguous()
+
+    def rows(self, start: int, stop: int) -> torch.Tensor:
+        return self.value.detach()[start:stop].contiguous()
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ import mlx.core as mx
 from mlx_pte.export.program import export_program
 from mlx_pte.interpreter.handlers import CPU_DEQUANTIZE_ROWS
 from mlx_pte.interpreter.program import load
+from mlx_pte.ir.fuse_projections import ALIGN
 from mlx_pte.ir.quantization import QuantSpec, full_precision_weights, quantized_constants
 from mlx_pte.runtime.cache import KINDS
 from tests.fixtures.dequantized import dequantized_weights, load_into
@@ -93,20 +94,47 @@ def _mlx(t: torch.Tensor) -> mx.array:
     return mx.array(t.detach().numpy())
 
 
-@pytest.mark.parametrize("name", SPECS)
-def test_every_linear_and_the_embedding_are_stored_as_mx_quantize_packs_them(model, quantized, name):
-    program, spec = quantized(name), SPECS[name]
-    found = {program.graph.slots[qc.weight].name: qc for qc in quantized_constants(program.graph).values()}
-    assert set(found) == {n for n, p in model.named_parameters()}  # every weight here is a linear's or the embedding's
-    for param_name, param in model.named_parameters():
-        qc = found[param_name]
-        assert (qc.spec, qc.shape, qc.dtype) == (spec, tuple(param.shape), "float32")
-        expected = mx.quantize(_mlx(param), group_size=spec.group_size, bits=spec.bits, mode=spec.mode)
-        stored = [program.weights[s] for s in qc.slots]
+def _fused_parts(stored_name: str) -> list[str]:
+    """The parameters a stored weight holds: itself, or each projection ``ir.fuse_projections``
+    concatenated into it (``layers.0.q+k+v.weight`` holds ``layers.0.q.weight`` ...)."""
+    tokens = stored_name.split(".")
+    at = next((i for i, t in enumerate(tokens) if "+" in t), None)
+    if at is None:
+        return [stored_name]
+    return [".".join([*tokens[:at], leaf, *tokens[at + 1 :]]) for leaf in tokens[at].split("+")]
+
+
+def _assert_stored_as_parts_packs(program, qc, parts: list[mx.array], spec: QuantSpec) -> int:
+    """Each stored part (weight, scales, biases) of ``qc`` holds ``mx.quantize`` of each of
+    ``parts`` (the projections fused into it, in order), each starting at a multiple of
+    ``ALIGN`` rows with zero rows between; returns the stored rows."""
+    stored = [program.weights[s] for s in qc.slots]
+    start = 0
+    for i, part in enumerate(parts):
+        expected = mx.quantize(part, group_size=spec.group_size, bits=spec.bits, mode=spec.mode)
         assert len(stored) == len(expected)
         for got, want in zip(stored, expected):
             assert got.dtype == want.dtype
-            np.testing.assert_array_equal(np.array(got), np.array(want))
+            assert mx.array_equal(got[start : start + part.shape[0]], want).item()
+        end = start + part.shape[0]
+        start = end + (-end % ALIGN if i + 1 < len(parts) else 0)
+        assert all(not mx.any(got[end:start]).item() for got in stored)
+    assert all(got.shape[0] == start for got in stored)
+    return start
+
+
+@pytest.mark.parametrize("name", SPECS)
+def test_every_linear_and_the_embedding_are_stored_as_mx_quantize_packs_them(model, quantized, name):
+    program, spec = quantized(name), SPECS[name]
+    params = dict(model.named_parameters())
+    found = {program.graph.slots[qc.weight].name: qc for qc in quantized_constants(program.graph).values()}
+    held = [p for stored in found for p in _fused_parts(stored)]
+    assert sorted(held) == sorted(params)  # every weight here is a linear's or the embedding's, stored once
+    for stored_name, qc in found.items():
+        rows = _assert_stored_as_parts_packs(program, qc, [_mlx(params[p]) for p in _fused_parts(stored_name)], spec)
+        width = params[_fused_parts(stored_name)[0]].shape[1]
+        assert (qc.spec, qc.shape, qc.dtype) == (spec, (rows, width), "float32")
+    assert any("+" in n for n in found)  # the fused projections are checked too
     ops = {i.op for i in program.graph.instructions}
     assert {"quantized_linear", "quantized_embedding"} <= ops and not ops & {"linear", "embedding"}
 
@@ -187,13 +215,8 @@ def test_bfloat16_weights_quantize_with_bfloat16_scales(model, tmp_path):
     bf16 = copy.deepcopy(model).to(torch.bfloat16)
     program = load(export_program(export_tiny_attention(bf16), tmp_path / "bf16.pte", quantization=SPECS["q4"]))
     spec = SPECS["q4"]
+    params = dict(bf16.named_parameters())
     for qc in quantized_constants(program.graph).values():
-        name = program.graph.slots[qc.weight].name
-        param = bf16.get_parameter(name).detach()
-        source = mx.array(param.view(torch.uint16).numpy()).view(mx.bfloat16)
-        expected = mx.quantize(source, group_size=spec.group_size, bits=spec.bits)
+        parts = [params[p].detach() for p in _fused_parts(program.graph.slots[qc.weight].name)]
         assert qc.dtype == "bfloat16"
-        for slot, want in zip(qc.slots, expected):
-            got = program.weights[slot]
-            assert got.dtype == want.dtype
-            assert mx.array_equal(got, want).item()
+        _assert_stored_as_parts_packs(program, qc, [mx.array(p.view(torch.uint16).numpy()).view(mx.bfloat16) for p in parts], spec)

@@ -14,6 +14,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from mlx_pte.export import quantize as quantize_module
 from mlx_pte.export.hf_attention import ATTN_IMPLEMENTATION
@@ -22,10 +23,13 @@ from mlx_pte.export.hf_errors import CheckpointError
 from mlx_pte.export.hf_export import export_hf
 from mlx_pte.export.hf_geometry import cache_layout
 from mlx_pte.export.hf_wrapper import HFWrapper, trace
+from mlx_pte.export.safetensors_file import CheckpointTensor, SafetensorsFiles
+from mlx_pte.export.tensor_source import ArraySource
+from mlx_pte.interpreter.program import load
 from mlx_pte.ir.errors import FormatError
 from mlx_pte.ir.payload import WEIGHTS_KEY, decode_payload
 from mlx_pte.ir.pte import read_program
-from mlx_pte.ir.quantization import QuantSpec
+from mlx_pte.ir.quantization import QuantSpec, quantized_constants
 
 REPO = Path(__file__).resolve().parents[2]
 MB = 1 << 20
@@ -69,15 +73,39 @@ def test_two_exports_of_one_checkpoint_are_byte_identical(tiny_checkpoint, tmp_p
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.pte", "b.pte"]  # no temp file left
 
 
+def _whole_weight_packing(weight: torch.Tensor) -> list[bytes]:
+    parts = mx.quantize(mx.array(weight.view(torch.uint16).numpy()).view(mx.bfloat16), group_size=32, bits=4)
+    return [np.array(p.view(mx.uint16) if p.dtype == mx.bfloat16 else p).tobytes() for p in parts]
+
+
 def test_quantizing_in_row_blocks_gives_mlx_s_packing_of_the_whole_weight(monkeypatch):
     weight = torch.randn(37, 64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
-    spec = QuantSpec.from_preset("q4", 32)
     monkeypatch.setattr(quantize_module, "_QUANTIZE_BLOCK_BYTES", 5 * 64 * 2)  # 5 rows a block
-    blocks = quantize_module._quantize_blocks(weight, spec)
-    whole = mx.quantize(mx.array(weight.view(torch.uint16).numpy()).view(mx.bfloat16), group_size=32, bits=4)
-    for got, want in zip(blocks, whole):
-        want = np.array(want.view(mx.uint16) if want.dtype == mx.bfloat16 else want)
-        assert got.tobytes() == want.tobytes()
+    blocks = quantize_module._quantize_blocks(ArraySource(weight), QuantSpec.from_preset("q4", 32))
+    assert [b.tobytes() for b in blocks] == _whole_weight_packing(weight)
+
+
+def test_a_checkpoint_weight_is_quantized_from_row_blocks_never_read_whole(monkeypatch, tmp_path):
+    weight = torch.randn(37, 64, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    save_file({"w": weight}, tmp_path / "model.safetensors")
+    files = SafetensorsFiles(tmp_path)
+    reads: list[tuple[int, int]] = []
+    read_rows = CheckpointTensor.rows
+
+    def rows(self, start, stop):
+        reads.append((start, stop))
+        return read_rows(self, start, stop)
+
+    def whole(self):
+        raise AssertionError("the whole weight was read")
+
+    monkeypatch.setattr(CheckpointTensor, "rows", rows)
+    monkeypatch.setattr(CheckpointTensor, "tensor", whole)
+    monkeypatch.setattr(quantize_module, "_QUANTIZE_BLOCK_BYTES", 5 * 64 * 2)
+    source = CheckpointTensor(files, "w", (37, 64), "bfloat16")
+    blocks = quantize_module._quantize_blocks(source, QuantSpec.from_preset("q4", 32))
+    assert [b.tobytes() for b in blocks] == _whole_weight_packing(weight)
+    assert reads == [(i, min(i + 5, 37)) for i in range(0, 37, 5)]
 
 
 def test_a_version_2_payload_without_its_weights_is_refused(tiny_checkpoint, tmp_path):
@@ -124,3 +152,35 @@ def test_export_peak_memory_is_bounded_by_the_largest_tensor_not_the_model(tmp_p
 def test_the_bench_parses_its_arguments():
     done = subprocess.run([sys.executable, str(REPO / "bench" / "export_memory.py"), "--help"], capture_output=True, text=True)
     assert done.returncode == 0 and "--baseline-python" in done.stdout
+
+
+def test_a_tied_embedding_and_fused_projections_quantize_from_row_blocks(tmp_path, monkeypatch):
+    """The head shares the embedding: one packed copy, read a block of rows at a time like
+    every fused projection part, never whole; its packs are MLX's of the checkpoint's table."""
+    root = tmp_path / "ckpt"
+    shapes = _bench().write_zero_checkpoint(root, "135m", num_hidden_layers=1, vocab_size=96, hidden_size=64,
+                                            intermediate_size=128, num_attention_heads=2, num_key_value_heads=1,
+                                            head_dim=32)  # fmt: skip
+    gen = torch.Generator().manual_seed(2)
+    weights = {n: torch.randn(s, generator=gen).to(torch.bfloat16) for n, s in shapes.items()}
+    save_file(weights, root / "model.safetensors")
+    whole_reads: list[str] = []
+    read_whole = CheckpointTensor.tensor
+
+    def tensor(self):
+        whole_reads.append(self.key)
+        return read_whole(self)
+
+    monkeypatch.setattr(CheckpointTensor, "tensor", tensor)
+    monkeypatch.setattr(quantize_module, "_QUANTIZE_BLOCK_BYTES", 7 * 64 * 2)  # 7 rows a block
+    spec = QuantSpec.from_preset("q4", 32)
+    out = export_hf(root, tmp_path / "m.pte", dtype="bfloat16", max_step=8, progress=False, quantize=spec)
+    assert not [k for k in whole_reads if k.endswith("proj.weight") or "embed" in k]  # norms only
+    program = load(out)
+    packed = {program.graph.slots[qc.weight].name: qc for qc in quantized_constants(program.graph).values()}
+    embedding = [n for n, qc in packed.items() if qc.shape == shapes["model.embed_tokens.weight"]]
+    assert len(embedding) == 1  # the embedding and the head read one packed copy
+    assert {n.rpartition(".")[0].rpartition(".")[2] for n in packed} >= {"qkv_proj", "gate_up_proj"}
+    stored = [program.weights[s] for s in packed[embedding[0]].slots]
+    got = [np.array(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a).tobytes() for a in stored]
+    assert got == _whole_weight_packing(weights["model.embed_tokens.weight"])
