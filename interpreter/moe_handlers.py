@@ -1,5 +1,6 @@
 """Handlers of the mixture-of-experts ops (``ir.catalog_moe``): ``topk``, ``experts`` and
-``quantized_experts``.
+``quantized_experts``; and upstream's ``gather_mm``, ``gather_qmm`` and ``item``, which run
+as imported.
 
 ``experts`` runs on ``mx.gather_mm`` (``quantized_experts`` on ``mx.gather_qmm``), which multiplies each token by the weights of the
 experts it selected without materialising them. Prefill routes many tokens: there the
@@ -79,3 +80,31 @@ def _quantized_experts(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx
     x, indices, weights, *parts = args
     gate_up, down = _packed(*parts[:3], attrs), _packed(*parts[3:], attrs)
     return _routed(x, indices, weights, gate_up, down, attrs["activation"])
+
+
+# -- upstream's MoE matmuls (ir.catalog_moe: gather_mm, gather_qmm, item) ----------------
+@handles("gather_mm")
+def _gather_mm(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx.array:
+    a, b, lhs, rhs = args
+    dtype = a.dtype
+    # MLX's CPU gather_mm runs float32 only; its GPU kernels accumulate half types in float32
+    # and round once, which computing in float32 and casting back also gives.
+    if dtype != mx.float32 and mx.default_device().type == mx.DeviceType.cpu:
+        a, b = a.astype(mx.float32), b.astype(mx.float32)
+    out = mx.gather_mm(a, b, lhs_indices=lhs, rhs_indices=rhs, sorted_indices=bool(attrs["sorted_indices"]))
+    return out.astype(dtype)
+
+
+@handles("gather_qmm")
+def _gather_qmm(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx.array:
+    x, w, scales, biases, lhs, rhs = args
+    return mx.gather_qmm(
+        x, w, scales, biases, lhs_indices=lhs, rhs_indices=rhs, transpose=attrs["transpose"],
+        group_size=attrs["group_size"], bits=attrs["bits"], mode=attrs["mode"],
+        sorted_indices=bool(attrs["sorted_indices"]),
+    )  # fmt: skip
+
+
+@handles("item")
+def _item(args: Args, attrs: dict[str, Any], ctx: RunContext) -> int:
+    return int(args[0].item())

@@ -725,6 +725,7 @@ UPSTREAM_ONLY = frozenset(
     UPSTREAM_UNARY + UPSTREAM_BINARY + UPSTREAM_REDUCTIONS
     + ("var", "std", "round", "tril", "triu", "cumsum", "roll", "full_like", "sort", "argsort", "partition",
        "argpartition", "flip", "repeat_interleave", "pad", "sdpa", "scatter_add")
+    + ("gather_mm", "gather_qmm", "item")  # ir.catalog_moe: upstream's MoE matmuls and their sorted flag
 )  # fmt: skip
 
 from . import catalog_moe  # noqa: E402,F401  (defines topk and experts; it builds on define above)

@@ -94,3 +94,49 @@ define(
         check=_check_experts,
     )  # fmt: skip
 )
+
+# Upstream ExecuTorch's MoE matmuls (GatherMmNode, GatherQmmNode), imported as MLX runs them.
+# ``sorted_indices`` (0 or 1, or a host int computed at run time) promises the indices are
+# sorted, which lets MLX take its grouped kernel; with unsorted indices the result is wrong,
+# as upstream's runtime gives it.
+_GATHER_RULE = (
+    "a @ b over the batch dims, a's matrices picked by lhs_indices and b's by rhs_indices (each defaults to "
+    "every batch index; indices and batch dims broadcast); dtype of a (MLX: gather_mm)"
+)
+define(
+    OpSpec(
+        "gather_mm",
+        ("a", "b", "lhs_indices?", "rhs_indices?"),
+        (AttrSpec("sorted_indices", "int_or_ref"),),
+        output_rule=_GATHER_RULE,
+    )
+)
+
+
+def _check_gather_qmm(instr: Instruction, graph: Graph) -> None:
+    attrs = dict(instr.attrs)
+    try:
+        quantization.QuantSpec(attrs["mode"], attrs["bits"], attrs["group_size"])
+    except quantization.QuantizationError as exc:
+        raise FormatError(f"instruction 'gather_qmm': {exc}") from None
+
+
+define(
+    OpSpec(
+        "gather_qmm",
+        ("x", "w", "scales", "biases?", "lhs_indices?", "rhs_indices?"),
+        (AttrSpec("transpose", "bool"), AttrSpec("group_size", "int"), AttrSpec("bits", "int"),
+         AttrSpec("mode", "str"), AttrSpec("sorted_indices", "int_or_ref")),
+        output_rule="x @ dequantize(w) (w's last two axes swapped when transpose) over the batch dims, x's "
+        "matrices picked by lhs_indices and w's by rhs_indices, as gather_mm; dtype of x (MLX: gather_qmm)",
+        check=_check_gather_qmm,
+    )  # fmt: skip
+)
+define(
+    OpSpec(
+        "item",
+        ("x",),
+        output_rule="int: the value of x, which holds one integer (read on the host: the device syncs)",
+        scalar_result=True,
+    )
+)

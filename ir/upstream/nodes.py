@@ -465,3 +465,6 @@ def _dequantize(b: ImportBuilder, n: Any) -> None:
 
 def translation(name: str) -> Optional[Translation]:
     return TRANSLATIONS.get(name)
+
+
+from . import nodes_moe  # noqa: E402,F401  (registers the MoE translations; it builds on translates above)

@@ -28,8 +28,12 @@ UPSTREAM_OP_CLASSES = (
     "log2", "log10", "log1p", "expm1", "sign", "bitwise_not_int", "atan2", "logaddexp", "floor_divide",
     "remainder", "bitwise_and_int", "bitwise_or_int", "bitwise_xor_int", "prod", "logsumexp", "any", "all",
     "var", "std", "round", "tril", "triu", "cumsum", "roll", "full_like", "sort", "argsort", "topk", "flip",
-    "repeat_interleave", "pad", "sdpa", "scatter_add", "max_global",
+    "repeat_interleave", "pad", "sdpa", "scatter_add", "max_global", "gather_mm", "gather_qmm",
 )  # fmt: skip
+# Upstream's MoE matmuls (GatherMm, GatherQmm; ItemInt reads the sorted flag): every case must
+# pass; `make test` runs these ones too (the flag read at run time, a half type on MLX's CPU).
+MOE_CLASSES = ("switch_linear", "quantized_switch_linear", "gather_mm", "gather_qmm")
+MOE_CASES = ("gather_mm_e4_i64_o128_bfloat16_sorted", "gather_qmm_e4_i64_o128_g32_sorted")
 
 
 def _params(first_only: bool, classes: tuple[str, ...] = LLM_CLASSES) -> list:
@@ -58,9 +62,22 @@ def test_upstream_only_ops_first_case(base, case, tmp_path):
     _check(base, case, tmp_path)
 
 
+@pytest.mark.parametrize(
+    ("base", "case"), [p for p in _params(first_only=False, classes=MOE_CLASSES) if p.id in MOE_CASES]
+)
+def test_moe_matmuls_sorted_cases(base, case, tmp_path):
+    _check(base, case, tmp_path)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(("base", "case"), _params(first_only=False))
 def test_llm_node_types_every_case(base, case, tmp_path):
+    _check(base, case, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("base", "case"), _params(first_only=False, classes=MOE_CLASSES))
+def test_moe_matmuls_every_case(base, case, tmp_path):
     _check(base, case, tmp_path)
 
 
@@ -69,6 +86,6 @@ def test_whole_suite_table(capsys):
     results = run_suite()
     with capsys.disabled():
         print("\n" + table(results))
-    assert all(r.outcome == PASSED for r in results if r.test_class in LLM_CLASSES)
+    assert all(r.outcome == PASSED for r in results if r.test_class in LLM_CLASSES + MOE_CLASSES)
     # Unsupported cases name the node types that are missing.
     assert all(r.node_types for r in results if r.outcome == UNSUPPORTED)
