@@ -4,29 +4,41 @@ checkpoint, in one process run.
     .venv/bin/python bench/batched.py MODEL_DIR [--prompt 64 --generate 64 --batches 1,2,4,8,16,32]
     python3 bench/batched.py MODEL_DIR --pte model.pte --dtype bfloat16 --kinds batched-sequence
 
-For each B, B requests (distinct random prompts of --prompt tokens) arrive at once and each
-generates --generate tokens greedily without stopping at eos, computing in --dtype (float32
-by default, as the CPU wants; bfloat16 on a GPU), on:
+For each B, B requests (distinct random prompts of --prompt tokens, new ones each round)
+arrive at once and each generates --generate tokens greedily without stopping at eos,
+computing in --dtype (float32 by default, as the CPU wants; bfloat16 on a GPU), on:
 mlx-pte's Engine over each of --kinds (``batched-cell`` and ``batched-sequence``), and mlx-lm's
 BatchGenerator. ``--pte`` runs an already exported file instead of exporting MODEL_DIR (where
-no exporter is installed, e.g. the GPU machine: see gpu_decode.py). Two rates per engine:
+no exporter is installed, e.g. the GPU machine: see gpu_decode.py).
 
+One Engine per kind serves every B (its capacity fits the largest), warmed up
+(``Engine.warm_up``, as ``serve`` does; the seconds are printed) before anything is timed, so
+no compile bucket is traced inside a timed run. The engines run interleaved, ``--rounds``
+times: each round runs every engine once, in turn, so drift in the machine's speed hits a
+round's engines alike. Rates are medians over rounds; ratios are medians of the per-round
+ratios (bench/rounds.py). Two rates per engine:
 
 * decode tok/s: the engine's own decode accounting. mlx-pte: tokens of forwards that carry
   no prefill / their time; mlx-lm: ``BatchStats.generation_tps`` (generated tokens / time
   outside prompt processing).
 * end-to-end tok/s: B x generate / wall time from submit to the last token (same for all).
 
-Ratios are mlx-pte / mlx-lm (> 1: mlx-pte is faster). ``--repeat k`` keeps each rate's
-best of k runs, which filters out interference on a shared machine.
+Ratios are mlx-pte / mlx-lm (> 1: mlx-pte is faster), and sequence / cell when both kinds
+run. The engine overhead table gives, per decode-only step, the host's time in
+``Engine.step`` outside waiting for token ids, the part of it spent launching the step (the
+forward's graph building and dispatch, and the draws), and the step's time from dispatch to
+its tokens being read (the forward's).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import statistics
 import tempfile
 import time
 from dataclasses import dataclass
+from typing import Callable, Optional
 from pathlib import Path
 
 import numpy as np
@@ -34,6 +46,7 @@ import torch  # noqa: F401  (the export uses it: before the OpenBLAS loader, see
 
 import mlx_pte.runtime.mlx.blas  # noqa: F401  (before mlx.core: fast BLAS)
 import mlx.core as mx
+from rounds import median_ratio
 from variants import load_mlx_lm
 
 KINDS = ("batched-cell", "batched-sequence")
@@ -43,24 +56,45 @@ KINDS = ("batched-cell", "batched-sequence")
 class Rates:
     decode_tps: float
     e2e_tps: float
+    # mlx-pte only: ms per decode-only step of host work, of its launch, and of the forward
+    host_ms: Optional[float] = None
+    launch_ms: Optional[float] = None
+    forward_ms: Optional[float] = None
 
 
-def prompts_for(batch: int, length: int, vocab: int) -> list[list[int]]:
-    rng = np.random.default_rng(batch)
+def prompts_for(batch: int, length: int, vocab: int, round_number: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng([batch, round_number])
     return rng.integers(0, vocab, (batch, length)).tolist()
 
 
-def bench_engine(program, kind: str, prompts: list[list[int]], n: int, dtype: str) -> Rates:
-    from mlx_pte.serving.engine import Engine, Request
+def warmed_engine(program, kind: str, capacity: int, dtype: str):
+    """An Engine of ``kind`` whose compile buckets are traced; prints the seconds it took."""
+    from mlx_pte.serving.engine import Engine
 
-    capacity = sum(len(p) + n for p in prompts)
     engine = Engine(program, kind, capacity=capacity, kv_dtype=dtype)
+    print(f"{kind}: warmed up in {engine.warm_up():.1f} s", flush=True)
+    return engine
+
+
+def bench_engine(engine, prompts: list[list[int]], n: int) -> Rates:
+    """One run of ``prompts`` on an idle ``engine``; rates from its stats over this run only."""
+    from mlx_pte.serving.engine import Request
+
+    before = dataclasses.replace(engine.stats)
     t0 = time.perf_counter()
     handles = [engine.submit(Request(p, max_tokens=n, ignore_eos=True)) for p in prompts]
     engine.run()
     wall = time.perf_counter() - t0
     assert all(len(h.result(timeout=0).samples[0].tokens) == n for h in handles)
-    return Rates(engine.stats.decode_tps, len(prompts) * n / wall)
+    after = engine.stats
+    steps = after.decode_steps - before.decode_steps
+    seconds = after.decode_seconds - before.decode_seconds
+    per_step = (lambda total: 1000 * total / steps) if steps else (lambda total: None)
+    return Rates((after.decode_tokens - before.decode_tokens) / seconds if seconds else 0.0,
+                 len(prompts) * n / wall,
+                 per_step(after.decode_host_seconds - before.decode_host_seconds),
+                 per_step(after.decode_launch_seconds - before.decode_launch_seconds),
+                 per_step(seconds))
 
 
 def bench_mlx_lm(model, prompts: list[list[int]], n: int) -> Rates:
@@ -86,12 +120,18 @@ def main() -> None:
     parser.add_argument("--generate", type=int, default=64, help="tokens each request generates")
     parser.add_argument("--batches", default="1,2,4,8,16,32", help="comma-separated request counts")
     parser.add_argument("--max-step", type=int, default=256, help="export's max step (tokens per forward)")
-    parser.add_argument("--repeat", type=int, default=1, help="runs per cell of the table; the best is kept")
+    parser.add_argument("--rounds", type=int, default=5,
+                        help="interleaved rounds: each runs every engine once, in turn (default 5)")
     parser.add_argument("--pte", type=Path, help="run this exported file instead of exporting MODEL_DIR")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                         help="compute dtype of both engines (and of the export)")
     parser.add_argument("--kinds", default=",".join(KINDS), help="comma-separated mlx-pte cache kinds")
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
+    unknown = set(args.kinds.split(",")) - set(KINDS)
+    if unknown:
+        parser.error(f"unknown --kinds {', '.join(sorted(unknown))}; choose from {', '.join(KINDS)}")
     run(args)
 
 
@@ -114,34 +154,52 @@ def run(args: argparse.Namespace) -> None:
             program = load(pte)
     model = load_mlx_lm(args.model_dir, args.dtype)
 
-    warm = prompts_for(2, 8, vocab)
-    for kind in kinds:
-        bench_engine(program, kind, warm, 4, args.dtype)
-    bench_mlx_lm(model, warm, 4)
+    capacity = max(batches) * (args.prompt + args.generate)
+    engines = {kind: warmed_engine(program, kind, capacity, args.dtype) for kind in kinds}
+    bench_mlx_lm(model, prompts_for(2, 8, vocab), 4)  # loads its kernels
 
-    runners = {kind: (lambda p, k=kind: bench_engine(program, k, p, args.generate, args.dtype)) for kind in kinds}
+    runners: dict[str, Callable[[list[list[int]]], Rates]] = {
+        kind: (lambda p, e=engine: bench_engine(e, p, args.generate)) for kind, engine in engines.items()}
     runners["mlx-lm"] = lambda p: bench_mlx_lm(model, p, args.generate)
-    rows = {}
+    rows: dict[int, dict[str, list[Rates]]] = {}
     for b in batches:
-        prompts = prompts_for(b, args.prompt, vocab)
-        rows[b] = {}
-        for name, run in runners.items():
-            runs = [run(prompts) for _ in range(args.repeat)]
-            rows[b][name] = Rates(max(r.decode_tps for r in runs), max(r.e2e_tps for r in runs))
+        rows[b] = {name: [] for name in runners}
+        for number in range(args.rounds):
+            prompts = prompts_for(b, args.prompt, vocab, number)
+            for name, bench in runners.items():
+                rows[b][name].append(bench(prompts))
         print(f"B={b} done", flush=True)
+    print_tables(args, kinds, rows)
 
+
+SHORT = {"batched-cell": "cell", "batched-sequence": "sequence"}
+
+
+def print_tables(args: argparse.Namespace, kinds: list[str], rows: dict[int, dict[str, list[Rates]]]) -> None:
     print(f"\n{args.model_dir}: prompt {args.prompt}, generate {args.generate}, {args.dtype}, "
-          f"device {mx.default_device()}, best of {args.repeat}")
-    short = {"batched-cell": "cell", "batched-sequence": "sequence"}
+          f"device {mx.default_device()}; medians of {args.rounds} interleaved rounds, "
+          f"ratios the medians of per-round ratios")
+    pairs = [(k, "mlx-lm") for k in kinds]
+    if set(KINDS) <= set(kinds):
+        pairs.append(("batched-sequence", "batched-cell"))
+    label = {"mlx-lm": "lm", **{k: SHORT[k][:4] for k in KINDS}}
     for title, pick in (("decode tok/s", lambda r: r.decode_tps), ("end-to-end tok/s", lambda r: r.e2e_tps)):
         print(f"\n{title}")
-        print(f"{'B':>3} " + " ".join(f"{short[k]:>9}" for k in kinds) + f" {'mlx-lm':>9} "
-              + " ".join(f"{short[k][:4] + '/lm':>8}" for k in kinds))
+        print(f"{'B':>3} " + " ".join(f"{SHORT[k]:>9}" for k in kinds) + f" {'mlx-lm':>9} "
+              + " ".join(f"{label[a] + '/' + label[b]:>9}" for a, b in pairs))
         for b, row in rows.items():
-            lm = pick(row["mlx-lm"])
-            print(f"{b:>3} " + " ".join(f"{pick(row[k]):>9.1f}" for k in kinds) + f" {lm:>9.1f} "
-                  + " ".join(f"{pick(row[k]) / lm:>8.2f}" for k in kinds))
-
+            print(f"{b:>3} " + " ".join(f"{statistics.median(map(pick, row[k])):>9.1f}" for k in kinds)
+                  + f" {statistics.median(map(pick, row['mlx-lm'])):>9.1f} "
+                  + " ".join(f"{median_ratio(row[a], row[b], pick):>9.2f}" for a, b in pairs))
+    print("\nengine overhead, ms per decode-only step: host (step() outside waiting for tokens), "
+          "of it launch, and forward (dispatch to tokens read)")
+    print(f"{'B':>3} {'kind':>9} {'host':>8} {'launch':>8} {'forward':>8}")
+    for b, row in rows.items():
+        for k in kinds:
+            cells = [[getattr(r, field) for r in row[k] if getattr(r, field) is not None]
+                     for field in ("host_ms", "launch_ms", "forward_ms")]
+            print(f"{b:>3} {SHORT[k]:>9} " + " ".join(
+                f"{statistics.median(c):>8.2f}" if c else f"{'-':>8}" for c in cells))
 
 if __name__ == "__main__":
     main()

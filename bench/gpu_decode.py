@@ -9,7 +9,8 @@ Runs on the device machine, whose Python has torch (CUDA) and transformers but n
     python3 bench/gpu_decode.py --pte bf16=.gpu/llama1b-bf16.pte.gz --pte q8=.gpu/llama1b-q8.pte.gz \
         --pte q4=.gpu/llama1b-q4.pte.gz --group-size 64 --skip hf --skip hf-static --wheels .whl \
         --hf-dir /root/stash/llama1b
-    # aggregate decode of B concurrent requests (bench/batched.py), batched-sequence vs mlx-lm:
+    # aggregate decode of B concurrent requests (bench/batched.py), batched-sequence (and with
+    # --kinds batched-sequence,batched-cell also batched-cell) vs mlx-lm, --rounds interleaved:
     python3 bench/gpu_decode.py --pte .gpu/llama1b-bf16.pte.gz --wheels .whl --hf-dir /root/stash/llama1b \
         --batches 1,8,32,64
 
@@ -279,16 +280,16 @@ def bench_hf_static(model_dir: Path, prompt: list[int], n: int) -> Rates:
 
 
 def run_batched(args: argparse.Namespace, model_dir: Path, ptes: dict[str, Path]) -> None:
-    """bench/batched.py's table on the bf16 .pte and this checkpoint: batched-sequence vs
-    mlx-lm's BatchGenerator, both in bfloat16."""
+    """bench/batched.py's tables on the bf16 .pte and this checkpoint: ``--kinds`` vs mlx-lm's
+    BatchGenerator, both in bfloat16, interleaved ``--rounds`` times."""
     import batched  # bench/batched.py, beside this script
 
     if "bf16" not in ptes:
         raise SystemExit(f"error: --batches runs the bf16 export; give it as --pte bf16=PATH "
                          f"(given: {', '.join(ptes)})")
     batched.run(argparse.Namespace(
-        model_dir=model_dir, pte=ptes["bf16"], dtype="bfloat16", kinds="batched-sequence", batches=args.batches,
-        prompt=args.prompt, generate=args.generate, max_step=None, repeat=1,
+        model_dir=model_dir, pte=ptes["bf16"], dtype="bfloat16", kinds=args.kinds, batches=args.batches,
+        prompt=args.prompt, generate=args.generate, max_step=None, rounds=args.rounds,
     ))
 
 
@@ -317,6 +318,9 @@ def main() -> None:
     parser.add_argument("--batches", metavar="B,B,...",
                         help="instead: aggregate decode of B concurrent requests, batched-sequence vs mlx-lm's "
                              "BatchGenerator (bench/batched.py on the bf16 .pte and the checkpoint)")
+    parser.add_argument("--kinds", default="batched-sequence", metavar="KIND,KIND",
+                        help="with --batches: mlx-pte cache kinds (batched-sequence, batched-cell; both also "
+                             "print sequence / cell ratios)")
     args = parser.parse_args()
     if args.generate < 2:
         parser.error("--generate must be at least 2 (decode speed needs a token after the first)")

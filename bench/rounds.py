@@ -6,9 +6,11 @@ per-round ratios, which is the figure that survives such drift.
 from __future__ import annotations
 
 import statistics
-from typing import Callable, Optional
+from typing import Callable, Optional, TypeVar
 
 from decode_table import MLX_PTE_ROWS, Key, Rates
+
+R = TypeVar("R")
 
 
 def run_rounds(runners: dict[Key, Callable[[], Rates]], rounds: int) -> dict[Key, list[Rates]]:
@@ -42,10 +44,14 @@ def round_ratios(rounds: dict[Key, list[Rates]]) -> dict[tuple[Key, Key], tuple[
         for other in rounds:
             if other[1] != ours[1] or other == ours:
                 continue
-            pairs = list(zip(rounds[ours], rounds[other]))
-            out[ours, other] = (statistics.median(a.prefill_tps / b.prefill_tps for a, b in pairs),
-                                statistics.median(a.decode_tps / b.decode_tps for a, b in pairs))
+            out[ours, other] = (median_ratio(rounds[ours], rounds[other], lambda r: r.prefill_tps),
+                                median_ratio(rounds[ours], rounds[other], lambda r: r.decode_tps))
     return out
+
+
+def median_ratio(ours: list[R], other: list[R], rate: Callable[[R], float]) -> float:
+    """Median over rounds of ``rate(ours) / rate(other)``, the lists paired round by round."""
+    return statistics.median(rate(a) / rate(b) for a, b in zip(ours, other, strict=True))
 
 
 def print_round_ratios(rounds: dict[Key, list[Rates]]) -> None:

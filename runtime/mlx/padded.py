@@ -82,7 +82,10 @@ def plan_padded(spans: Sequence[tuple[Span, RunPlan]], layout: Layout) -> Option
         query_pos[b, : span.count] = np.arange(run.position, run.position + run.count)
         newest[b] = run.position + run.count - 1
     in_order = bool(np.array_equal(scatter, np.arange((hi - lo) * t_max)))
-    full_view = t_max == 1 and hi - lo == n and all(run.read_len == read_len for _, run in spans)
+    # One query per row that may see every slot read needs no mask, so the fused kernel
+    # runs mask-free; rows of the range outside the step need none either, their outputs
+    # being dropped.
+    full_view = t_max == 1 and all(run.read_len == read_len for _, run in spans)
     return PaddedBatch(
         lo=lo,
         hi=hi,

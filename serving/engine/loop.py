@@ -120,6 +120,7 @@ class Engine:
         self._stopping = False
         self._in_flight: Optional[Flight] = None
         self._last_read = 0.0  # when the host last read a forward's token ids
+        self._waited = 0.0  # seconds this step waited for token ids (not host work)
 
     # The engine's limits, as callers read them.
     @property
@@ -219,13 +220,16 @@ class Engine:
     def step(self) -> bool:
         """One iteration of the data path (the module docstring gives its order). False
         if idle."""
+        start, self._waited = time.perf_counter(), 0.0
         self._take_inbox()
         self._cancel()
         previous, self._in_flight = self._in_flight, None
         plan = self.scheduler.plan()
         for job, reason in plan.refused:
             self._fail(job, reason)
+        launched = 0.0
         if plan.step.size:
+            launched = time.perf_counter()
             launch = self.runner.launch(plan.step, previous)
             self._fail_all(launch.failures)
             first = 0
@@ -235,9 +239,13 @@ class Engine:
             if launch.needs_masks and previous is not None:
                 self._read(previous)  # a grammar's mask depends on the previous step's tokens
             self._in_flight, failures = self.runner.draw(launch)
+            launched = time.perf_counter() - launched
             self._fail_all(failures)
         if previous is not None and not previous.read:
             self._read(previous)
+        if plan.step.size and not plan.step.chunks:
+            self.stats.decode_host_seconds += time.perf_counter() - start - self._waited
+            self.stats.decode_launch_seconds += launched
         self.load = EngineLoad(len(self._inbox) + len(self.scheduler.waiting), len(self.sequences()),
                                self.scheduler.reserved, self.cache.usage().logical_positions)
         return bool(plan.step.size) or previous is not None
@@ -329,7 +337,9 @@ class Engine:
 
     def _read(self, flight: Flight) -> None:
         """Wait for a dispatched step's token ids, then emit them and end what they end."""
+        waiting = time.perf_counter()
         tokens = self.runner.collect(flight)
+        self._waited += time.perf_counter() - waiting
         if tokens.error is not None:
             self._fail_all([(job, tokens.error) for job in flight.plan.jobs.values()])
             return

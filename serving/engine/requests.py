@@ -158,6 +158,10 @@ class EngineStats:
     decode_steps: int = 0
     decode_tokens: int = 0
     decode_seconds: float = 0.0
+    # Host time of decode-only steps: ``Engine.step`` outside waiting for token ids, and
+    # of it the launch (the forward's graph building and dispatch, and the draws).
+    decode_host_seconds: float = 0.0
+    decode_launch_seconds: float = 0.0
     prefix_hits: int = 0  # requests that forked a retained sequence
     cached_tokens: int = 0  # prompt tokens those forks saved computing
 
