@@ -91,7 +91,9 @@ def test_chunked_prefill_equals_unchunked(exported: Exported, kind: str, capture
     whole_session, whole_seq = new_session(exported, kind, capture)
     whole = np.array(whole_session.forward(exported.prompt, seq_ids=whole_seq, rows=range(PROMPT_LEN)))
     # Chunks are matmuls of other row counts, which BLAS may block differently: fp32's last bits.
-    np.testing.assert_allclose(np.concatenate(chunks), whole, atol=1e-5, rtol=1e-5)
+    # fp32 summation order differs between chunk sizes (the experts op sorts tokens by expert
+    # from 64 pairs up), so a few logits move by ~1.5e-5.
+    np.testing.assert_allclose(np.concatenate(chunks), whole, atol=3e-5, rtol=1e-5)
 
 
 @CAPTURE
