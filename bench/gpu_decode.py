@@ -293,16 +293,21 @@ def run_batched(args: argparse.Namespace, model_dir: Path, ptes: dict[str, Path]
     ))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--pte", action="append", required=True, metavar="[LABEL=]PATH",
-                        help=".pte or .pte.gz (all-zero weights do); LABEL bf16 (default), q8 or q4; repeatable")
+def add_device_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options every device bench shares: checkpoint, wheels, folders, prompt length."""
     parser.add_argument("--group-size", type=int, default=64, help="mlx-lm's group size for q8/q4 (default 64)")
     parser.add_argument("--hf-dir", type=Path, required=True, help="same-shaped HF checkpoint; made if missing")
     parser.add_argument("--wheels", type=Path, help="MLX CUDA, mlx and mlx-lm wheels to install first")
     parser.add_argument("--site", type=Path, default=Path("/tmp/site"), help="where wheels are installed")
     parser.add_argument("--work", type=Path, default=Path("/tmp/gpu_decode"), help="scratch folder")
     parser.add_argument("--prompt", type=int, default=128, help="prompt length in tokens")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--pte", action="append", required=True, metavar="[LABEL=]PATH",
+                        help=".pte or .pte.gz (all-zero weights do); LABEL bf16 (default), q8 or q4; repeatable")
+    add_device_arguments(parser)
     parser.add_argument("--generate", type=int, default=64, help="tokens to generate (at least 2)")
     parser.add_argument("--capacity", type=int, help="mlx-pte cache capacity and the whole step's buffer size "
                                                      "(default: prompt + generate)")

@@ -23,7 +23,7 @@ from typing import Callable
 
 import numpy as np
 
-from gpu_decode import check_mlx_device, gunzip, install_mlx, make_checkpoint, project_root
+from gpu_decode import add_device_arguments, check_mlx_device, gunzip, install_mlx, make_checkpoint, project_root
 from variants import bits_of, load_mlx_lm, parse_pte
 
 
@@ -76,12 +76,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pte", action="append", required=True, metavar="[LABEL=]PATH",
                         help=".pte or .pte.gz; LABEL bf16 (default), q8 or q4; repeatable")
-    parser.add_argument("--group-size", type=int, default=64, help="mlx-lm's group size for q8/q4 (default 64)")
-    parser.add_argument("--hf-dir", type=Path, required=True, help="same-shaped HF checkpoint; made if missing")
-    parser.add_argument("--wheels", type=Path, help="MLX CUDA, mlx and mlx-lm wheels to install first")
-    parser.add_argument("--site", type=Path, default=Path("/tmp/site"), help="where wheels are installed")
-    parser.add_argument("--work", type=Path, default=Path("/tmp/gpu_decode"), help="scratch folder")
-    parser.add_argument("--prompt", type=int, default=128, help="prompt length in tokens")
+    add_device_arguments(parser)
     parser.add_argument("--generate", type=int, default=64, help="decode tokens profiled (at least 1)")
     parser.add_argument("--top", type=int, default=12, help="kernels listed per engine")
     parser.add_argument("--capture", choices=["on", "off", "both"], default="on", help="mlx-pte's capture")
