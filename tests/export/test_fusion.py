@@ -173,7 +173,8 @@ HF_CASES: dict[str, tuple] = {
     # A scaled table is not the default rotary embedding: the gathered-table op instead.
     "rotary_scaled": (lambda: hf_blocks.Rotary(attention_scaling=0.5), _qk, QK_DYNAMIC, {"rope_half": 2, "cos": 1},
                       {"rope"}),  # fmt: skip
-    "swiglu": (hf_blocks.GatedMLP, _hidden, HIDDEN_DYNAMIC, {"glu": 1, "linear": 3}, {"silu", "mul"}),
+    # gate and up are fused into one projection at export, split before the glu.
+    "swiglu": (hf_blocks.GatedMLP, _hidden, HIDDEN_DYNAMIC, {"glu": 1, "linear": 2, "split": 1}, {"silu", "mul"}),
     "geglu": (lambda: hf_blocks.GatedMLP("gelu_pytorch_tanh"), _hidden, HIDDEN_DYNAMIC, {"glu": 1}, {"gelu", "mul"}),
     "block": (hf_blocks.Block, lambda t, d: (*_hidden(t, d), _positions(t)), ({1: _T}, {0: _T}),
               {"rms_norm": 1, "rope": 2, "view_permute": 2, "permute_view": 1, "glu": 1},
