@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 import torch
 
@@ -43,11 +43,13 @@ def update_and_attend(
     cache_id: int,
     scale: float,
     softcap: float = 0.0,
+    sinks: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Write this step's K/V into layer ``cache_id`` and attend ``q`` over its history.
 
     q ``[1, Hq, T, D]`` (RoPE applied), k ``[1, Hkv, T, D]``, v ``[1, Hkv, T, Dv]``,
-    positions ``int64[T]``. Returns ``[1, Hq, T, Dv]`` in q's dtype.
+    positions ``int64[T]``, sinks ``[Hq]`` or None: per-head logits that join each softmax's
+    denominator (gpt-oss). Returns ``[1, Hq, T, Dv]`` in q's dtype.
     """
     cache = _BOUND.get()
     if cache is None:
@@ -61,9 +63,11 @@ def update_and_attend(
             f"the forward's positions {positions.reshape(-1).tolist()} differ from the "
             f"declared step's {list(declared)}"
         )
+    if sinks is not None:
+        return cache.attend(cache_id, q, k, v, scale, softcap, sinks)
     return cache.attend(cache_id, q, k, v, scale, softcap)
 
 
 @update_and_attend.register_fake
-def _update_and_attend_fake(q, k, v, positions, cache_id, scale, softcap=0.0):
+def _update_and_attend_fake(q, k, v, positions, cache_id, scale, softcap=0.0, sinks=None):
     return q.new_empty((*q.shape[:-1], v.shape[-1]))

@@ -8,8 +8,12 @@ selected index is opaque to the tracer; the interpreter runs it on ``mx.gather_m
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
+
+from .experts_layout import CLAMPED_SWIGLU, clamped_swiglu
 
 OP_NAME = "llm::experts"
 
@@ -17,10 +21,12 @@ OP_NAME = "llm::experts"
 ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh")
 
 
-def _act(x: torch.Tensor, activation: str) -> torch.Tensor:
+def _gated(gate: torch.Tensor, up: torch.Tensor, activation: str, alpha: float, limit: float) -> torch.Tensor:
+    if activation == CLAMPED_SWIGLU:
+        return clamped_swiglu(gate, up, alpha, limit)
     if activation == "silu":
-        return F.silu(x)
-    return F.gelu(x, approximate="tanh" if activation == "gelu_pytorch_tanh" else "none")
+        return F.silu(gate) * up
+    return F.gelu(gate, approximate="tanh" if activation == "gelu_pytorch_tanh" else "none") * up
 
 
 @torch.library.custom_op(OP_NAME, mutates_args=())
@@ -31,18 +37,30 @@ def experts(
     gate_up: torch.Tensor,
     down: torch.Tensor,
     activation: str,
+    gate_up_bias: Optional[torch.Tensor] = None,
+    down_bias: Optional[torch.Tensor] = None,
+    alpha: float = 0.0,
+    limit: float = 0.0,
 ) -> torch.Tensor:
-    """``sum_j weights[t, j] * down[e] @ (act(gate) * up)`` with ``e = indices[t, j]``.
+    """``sum_j weights[t, j] * (down[e] @ gated + down_bias[e])`` with ``e = indices[t, j]``,
+    ``[gate; up] = gate_up[e] @ x[t] + gate_up_bias[e]`` and ``gated = act(gate) * up`` (or
+    gpt-oss's ``clamped_swiglu(gate, up, alpha, limit)``).
 
     x ``[T, H]``, indices ``int64[T, k]``, weights ``[T, k]`` (x's dtype), gate_up
-    ``[E, 2I, H]`` (gate rows first, then up rows), down ``[E, H, I]``. Returns ``[T, H]``.
+    ``[E, 2I, H]`` (gate rows first, then up rows), down ``[E, H, I]``, the biases (both
+    or neither) ``[E, 2I]`` and ``[E, H]``. Returns ``[T, H]``.
     """
-    gate, up = torch.einsum("th,tkoh->tko", x, gate_up[indices]).chunk(2, dim=-1)
-    h = _act(gate, activation) * up
-    y = torch.einsum("tki,tkhi->tkh", h, down[indices])
+    proj = torch.einsum("th,tkoh->tko", x, gate_up[indices])
+    if gate_up_bias is not None:
+        proj = proj + gate_up_bias[indices]
+    gate, up = proj.chunk(2, dim=-1)
+    y = torch.einsum("tki,tkhi->tkh", _gated(gate, up, activation, alpha, limit), down[indices])
+    if down_bias is not None:
+        y = y + down_bias[indices]
     return (y * weights[..., None]).sum(dim=1).to(x.dtype)
 
 
 @experts.register_fake
-def _experts_fake(x, indices, weights, gate_up, down, activation):
+def _experts_fake(x, indices, weights, gate_up, down, activation, gate_up_bias=None, down_bias=None, alpha=0.0,
+                  limit=0.0):  # fmt: skip
     return x.new_empty(x.shape)

@@ -33,9 +33,13 @@ def update_and_attend_attention(
     softcap: Optional[float] = None,
     sliding_window: Optional[int] = None,
     position_ids: Optional[torch.Tensor] = None,
+    s_aux: Optional[torch.Tensor] = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """HF's attention-function contract: q [B,Hq,T,D], k/v [B,Hkv,T,*] -> ([B,T,Hq,Dv], None)."""
+    """HF's attention-function contract: q [B,Hq,T,D], k/v [B,Hkv,T,*] -> ([B,T,Hq,Dv], None).
+
+    ``s_aux`` is gpt-oss's per-head attention sinks ([Hq] logits in the softmax's denominator).
+    """
     layout: Optional[HFCacheLayout] = kwargs.get(LAYOUT_KWARG)
     if layout is None or position_ids is None:
         raise AttentionRoutingError(
@@ -66,6 +70,7 @@ def update_and_attend_attention(
         cache_id,
         float(scaling),
         float(softcap or 0.0),
+        *(() if s_aux is None else (s_aux,)),
     )
     return out.transpose(1, 2).contiguous(), None
 

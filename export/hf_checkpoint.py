@@ -24,9 +24,10 @@ from transformers import (
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from .hf_errors import CheckpointError, ExportOptionError
+from .experts_layout import Conversion, convert_in_place
 from .hf_experts import route_experts
 from .safetensors_file import CheckpointTensor, SafetensorsFiles
-from .tensor_source import DTYPE_NAMES
+from .tensor_source import DTYPE_NAMES, ComputedSource
 
 # The dtypes a model exports in.
 TORCH_DTYPES: dict[str, torch.dtype] = {
@@ -196,7 +197,20 @@ def load_skeleton(checkpoint: HFCheckpoint, dtype: str, attn_implementation: str
         if id(meta) not in placeholders:
             placeholders[id(meta)] = _placeholder(meta, _checkpoint_tensor(model, files, meta, name))
         table[attr] = placeholders[id(meta)]
+    convert_in_place(model, _converted_placeholder)
     return model.eval()
+
+
+def _converted_placeholder(old: torch.nn.Parameter, conversion: Conversion) -> torch.Tensor:
+    """A placeholder of ``conversion``'s shape whose value is ``conversion`` of ``old``'s source."""
+    source = getattr(old, _SOURCE_ATTR)
+    like = torch.nn.Parameter(torch.empty(conversion.shape, dtype=old.dtype, device="meta"), requires_grad=False)
+    return _placeholder(like, ComputedSource(conversion.fn, (source,), conversion.shape, source.dtype))
+
+
+def _converted_parameter(old: torch.nn.Parameter, conversion: Conversion) -> torch.nn.Parameter:
+    with torch.no_grad():
+        return torch.nn.Parameter(conversion.fn(old.detach()), requires_grad=False)
 
 
 def _compute_non_persistent_buffers(model: torch.nn.Module) -> None:
@@ -283,4 +297,5 @@ def load_model(checkpoint: HFCheckpoint, dtype: str, attn_implementation: str) -
             f"the weights in {checkpoint.path} do not load: {_one_line(exc)}"
         ) from None
     route_experts(model)
+    convert_in_place(model, _converted_parameter)
     return model.eval()

@@ -12,6 +12,7 @@ import torch
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, _default_apply_gate
 
 from . import experts_op  # noqa: F401  (registers torch.ops.llm.experts)
+from .experts_layout import CLAMPED_SWIGLU, converted
 from .experts_op import ACTIVATIONS
 from .hf_errors import CheckpointError
 
@@ -32,11 +33,17 @@ def experts_forward(
 ) -> torch.Tensor:
     """HF's experts contract: hidden ``[S, H]``, index/weights ``[S, k]`` -> ``[S, H]``."""
     name = type(module).__name__
+    clamped = converted(module)
+    if clamped is not None:  # gpt-oss, already in the op's layout (experts_layout)
+        return torch.ops.llm.experts(
+            hidden_states, top_k_index, top_k_weights.to(hidden_states.dtype), module.gate_up_proj,
+            module.down_proj, CLAMPED_SWIGLU, module.gate_up_proj_bias, module.down_proj_bias, *clamped,
+        )  # fmt: skip
     layout = (module.has_gate, module.has_bias, module.is_transposed, module.is_concatenated)
     if layout != (True, False, False, True) or type(module)._apply_gate is not _default_apply_gate:
         raise CheckpointError(
             f"{name} stores its experts as (gated, biased, transposed, concatenated) = {layout} "
-            "with its own gate; only gated, bias-free [gate; up] experts export"
+            "with its own gate; only gated, bias-free [gate; up] experts and gpt-oss's export"
         )
     num_experts = module.gate_up_proj.shape[0]
     if module.down_proj.shape[0] != num_experts or module.gate_up_proj.shape[1] != 2 * module.down_proj.shape[2]:

@@ -9,6 +9,7 @@ from torch.fx import Node
 
 from . import experts_op  # noqa: F401  (defines torch.ops.llm.experts)
 from .errors import ExportError
+from .experts_layout import CLAMPED_SWIGLU
 from .graph_builder import Builder, node_args, norm_dim, rank_of, value_of
 from .op_lowerings import _register
 
@@ -37,11 +38,16 @@ def _experts(b: Builder, node: Node) -> None:
     args = node_args(node)
     routed = tuple(b.slots[args[k]] for k in ("x", "indices", "weights"))
     attrs = {"activation": str(args["activation"])}
+    if attrs["activation"] == CLAMPED_SWIGLU:
+        attrs.update(alpha=float(args["alpha"]), limit=float(args["limit"]))
+    # The biases are appended only when present, so other families' programs are unchanged.
+    biases = tuple(b.slots[args[k]] for k in ("gate_up_bias", "down_bias") if args.get(k) is not None)
     gate_up, down = args["gate_up"], args["down"]
     if gate_up in b.quantized and down in b.quantized:
         (spec, *gate_up_parts), (down_spec, *down_parts) = b.quantized[gate_up], b.quantized[down]
         assert spec == down_spec  # one export quantizes every weight to one type
-        b.emit_node(node, "quantized_experts", (*routed, *gate_up_parts, *down_parts), {**attrs, **spec.to_dict()})
+        b.emit_node(node, "quantized_experts", (*routed, *gate_up_parts, *down_parts, *biases),
+                    {**attrs, **spec.to_dict()})  # fmt: skip
         return
     if gate_up in b.quantized or down in b.quantized:
         raise ExportError(
@@ -49,7 +55,7 @@ def _experts(b: Builder, node: Node) -> None:
             f"(gate_up {tuple(value_of(gate_up).shape)}, down {tuple(value_of(down).shape)}); "
             "choose a --group-size that divides both the hidden and the expert intermediate size"
         )
-    b.emit_node(node, "experts", (*routed, b.slots[gate_up], b.slots[down]), attrs)
+    b.emit_node(node, "experts", (*routed, b.slots[gate_up], b.slots[down], *biases), attrs)
 
 
 _register(torch.ops.llm.experts.default, _experts)

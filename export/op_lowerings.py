@@ -543,9 +543,11 @@ _register([aten._assert_scalar.default, aten.sym_constrain_range_for_size.defaul
 # The KV cache -------------------------------------------------------------------------
 def _update_and_attend(b: Builder, node: Node) -> None:
     args = node_args(node)
+    # sinks is appended only when present, so other families' programs are unchanged.
+    sinks = () if args.get("sinks") is None else (b.slots[args["sinks"]],)
     b.emit_node(
         node, "update_and_attend",
-        tuple(b.slots[args[k]] for k in ("q", "k", "v", "positions")),
+        tuple(b.slots[args[k]] for k in ("q", "k", "v", "positions")) + sinks,
         {"cache_id": int(args["cache_id"]), "scale": float(args["scale"]), "softcap": float(args["softcap"])},
     )  # fmt: skip
 

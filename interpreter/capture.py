@@ -59,8 +59,8 @@ class TokenAxes:
 
 # Ops that read or write the run's context (the KV cache): they run between segments.
 CONTEXT_OPS: dict[str, TokenAxes] = {
-    # q [1, Hq, T, D], k [1, Hkv, T, D], v [1, Hkv, T, Dv], positions [T] -> [1, Hq, T, Dv]
-    "update_and_attend": TokenAxes((2, 2, 2, 0), 2),
+    # q [1, Hq, T, D], k [1, Hkv, T, D], v [1, Hkv, T, Dv], positions [T], sinks [Hq] -> [1, Hq, T, Dv]
+    "update_and_attend": TokenAxes((2, 2, 2, 0, None), 2),
 }
 
 

@@ -479,12 +479,14 @@ for _name, _fn in {
 # -- the KV cache ----------------------------------------------------------------------
 @handles("update_and_attend")
 def _update_and_attend(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx.array:
-    q, k, v, _positions = args  # the cache takes positions from the declared step (host ints)
+    q, k, v, _positions, *sinks = args  # the cache takes positions from the declared step (host ints)
     if ctx.cache is None:
         raise MissingCacheError(
             "this program has attention layers: pass the KV cache to run(..., cache=...) "
             "after cache.declare_step(...) (or use Program.session())"
         )
+    if sinks and sinks[0] is not None:
+        return ctx.cache.attend(attrs["cache_id"], q, k, v, attrs["scale"], attrs["softcap"], sinks[0])
     return ctx.cache.attend(attrs["cache_id"], q, k, v, attrs["scale"], attrs["softcap"])
 
 

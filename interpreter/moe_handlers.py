@@ -14,6 +14,8 @@ from typing import Any, Callable, Optional
 import mlx_pte.runtime.mlx.blas  # noqa: F401  (load an optimized BLAS before mlx.core)
 import mlx.core as mx
 
+from mlx_pte.ir.catalog_moe import CLAMPED_SWIGLU
+
 from .handlers import _GLU, Args, RunContext, handles
 
 # (token, expert) pairs from which sorting by expert pays for its two argsorts and gathers
@@ -22,6 +24,21 @@ SORT_FROM_PAIRS = 64
 
 # The catalog's activation names -> the glu handler's.
 _GLU_NAMES = {"silu": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh"}
+
+# gate, up -> the gated values fed to down.
+Gate = Callable[[mx.array, mx.array], mx.array]
+
+
+def _gate(attrs: dict[str, Any]) -> Gate:
+    if attrs["activation"] != CLAMPED_SWIGLU:
+        return _GLU[_GLU_NAMES[attrs["activation"]]]
+    alpha, limit = attrs["alpha"], attrs["limit"]
+
+    def clamped(gate: mx.array, up: mx.array) -> mx.array:
+        gate = mx.minimum(gate, limit)
+        return (mx.clip(up, -limit, limit) + 1) * (gate * mx.sigmoid(gate * alpha))
+
+    return clamped
 
 
 @handles("topk")
@@ -38,9 +55,15 @@ def _topk(args: Args, attrs: dict[str, Any], ctx: RunContext) -> tuple[mx.array,
 ExpertMatmul = Callable[[mx.array, mx.array, bool], mx.array]
 
 
+def _biased(matmul: ExpertMatmul, bias: Optional[mx.array]) -> ExpertMatmul:
+    """``matmul`` plus each selected expert's bias row (``bias`` [E, N]), when there is one."""
+    if bias is None:
+        return matmul
+    return lambda rows, ids, is_sorted: matmul(rows, ids, is_sorted) + mx.expand_dims(bias[ids], -2)
+
+
 def _routed(x: mx.array, indices: mx.array, weights: mx.array, gate_up: ExpertMatmul, down: ExpertMatmul,
-            activation: str) -> mx.array:  # fmt: skip
-    glu = _GLU[_GLU_NAMES[activation]]
+            gated: Gate) -> mx.array:  # fmt: skip
     t, k = indices.shape
     ids = indices.astype(mx.uint32)
     if t * k >= SORT_FROM_PAIRS:
@@ -49,11 +72,11 @@ def _routed(x: mx.array, indices: mx.array, weights: mx.array, gate_up: ExpertMa
         ids_sorted = flat[order]
         rows = mx.expand_dims(x[order // k], -2)  # [T*k, 1, H], grouped by expert
         gate, up = mx.split(gate_up(rows, ids_sorted, True), 2, axis=-1)
-        y = down(glu(gate, up), ids_sorted, True)
+        y = down(gated(gate, up), ids_sorted, True)
         y = y[mx.argsort(order)].reshape(t, k, -1)
     else:
         gate, up = mx.split(gate_up(mx.expand_dims(x, (-2, -3)), ids, False), 2, axis=-1)  # [T, k, 1, I] each
-        y = down(glu(gate, up), ids, False).squeeze(-2)  # [T, k, H]
+        y = down(gated(gate, up), ids, False).squeeze(-2)  # [T, k, H]
     return (y * mx.expand_dims(weights, -1)).sum(axis=1)
 
 
@@ -71,15 +94,19 @@ def _packed(w: mx.array, scales: mx.array, biases: Optional[mx.array], attrs: di
 
 @handles("experts")
 def _experts(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx.array:
-    x, indices, weights, gate_up, down = args
-    return _routed(x, indices, weights, _dense(gate_up), _dense(down), attrs["activation"])
+    x, indices, weights, gate_up, down, *biases = args
+    gate_up_bias, down_bias = biases or (None, None)
+    return _routed(x, indices, weights, _biased(_dense(gate_up), gate_up_bias), _biased(_dense(down), down_bias),
+                   _gate(attrs))  # fmt: skip
 
 
 @handles("quantized_experts")
 def _quantized_experts(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx.array:
     x, indices, weights, *parts = args
-    gate_up, down = _packed(*parts[:3], attrs), _packed(*parts[3:], attrs)
-    return _routed(x, indices, weights, gate_up, down, attrs["activation"])
+    gate_up_bias, down_bias = parts[6:] or (None, None)
+    gate_up = _biased(_packed(*parts[:3], attrs), gate_up_bias)
+    down = _biased(_packed(*parts[3:6], attrs), down_bias)
+    return _routed(x, indices, weights, gate_up, down, _gate(attrs))
 
 
 # -- upstream's MoE matmuls (ir.catalog_moe: gather_mm, gather_qmm, item) ----------------

@@ -41,7 +41,9 @@ class AttrSpec:
 class OpSpec:
     """One op's signature.
 
-    ``operands``: a trailing ``?`` marks an optional operand; a single operand named with a
+    ``operands``: a trailing ``?`` marks an optional operand (optional operands at the end may
+    be left out of an instruction altogether, so adding one keeps older files valid and their
+    bytes unchanged); a single operand named with a
     trailing ``*`` takes one or more slots (``cat``). ``n_outputs`` None means one or more
     results (``split``: one per size). ``scalar_result``: the results are int scalar slots
     (sizes computed on the host), not tensors. ``check``: further rules of the op, run
@@ -70,10 +72,12 @@ class OpSpec:
                 raise FormatError(f"{where} takes one or more operands, the payload gives none")
         else:
             names = self.operands
-            if len(instr.inputs) != len(self.operands):
-                raise FormatError(
-                    f"{where} takes {len(self.operands)} operands, the payload gives {len(instr.inputs)}"
-                )
+            required = len(self.operands)
+            while required and self.operands[required - 1].endswith("?"):
+                required -= 1
+            if not required <= len(instr.inputs) <= len(self.operands):
+                takes = f"{required} to {len(self.operands)}" if required < len(self.operands) else f"{required}"
+                raise FormatError(f"{where} takes {takes} operands, the payload gives {len(instr.inputs)}")
         for name, slot in zip(names, instr.inputs):
             if slot is None:
                 if not name.endswith("?"):
@@ -568,9 +572,11 @@ for _name in SCALAR_BINARY:
 define(
     OpSpec(
         "update_and_attend",
-        ("q", "k", "v", "positions"),
+        ("q", "k", "v", "positions", "sinks?"),
         (AttrSpec("cache_id", "int"), AttrSpec("scale", "float"), AttrSpec("softcap", "float")),
-        output_rule="[1, Hq, T, Dv]: q's shape with the last dim of v; dtype of q",
+        output_rule="[1, Hq, T, Dv]: q's shape with the last dim of v; dtype of q. sinks [Hq] (gpt-oss): one "
+        "logit per query head that joins each softmax's denominator and attends to nothing "
+        "(MLX: scaled_dot_product_attention(..., sinks=sinks))",
     )
 )
 

@@ -10,7 +10,10 @@ from .errors import FormatError
 from .graph import Graph, Instruction, TensorType
 
 # Gated activations ``act(gate) * up`` an expert may use; the names are HF's ``hidden_act``.
-EXPERT_ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh")
+# ``clamped_swiglu`` is gpt-oss's ``(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)``
+# with ``g = min(gate, limit)``, its alpha and limit given as attributes.
+CLAMPED_SWIGLU = "clamped_swiglu"
+EXPERT_ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh", CLAMPED_SWIGLU)
 
 
 def _static_shape(graph: Graph, slot: Optional[int]) -> Optional[tuple]:
@@ -47,8 +50,16 @@ define(
 def _check_experts(instr: Instruction, graph: Graph) -> None:
     where = f"instruction {instr.op!r}"
     x, indices, weights = (_static_shape(graph, s) for s in instr.inputs[:3])
+    attrs = dict(instr.attrs)
+    clamped = attrs["activation"] == CLAMPED_SWIGLU
+    if clamped != ("alpha" in attrs and "limit" in attrs) or (not clamped and ("alpha" in attrs or "limit" in attrs)):
+        raise FormatError(f"{where}: alpha and limit are given exactly when the activation is {CLAMPED_SWIGLU!r}")
+    n_weights = 5 if instr.op == "experts" else 9
+    biases = instr.inputs[n_weights:]
+    if len(biases) == 1 or (len(biases) == 2 and None in biases):
+        raise FormatError(f"{where}: give both expert biases (gate_up_bias, down_bias) or neither")
     if instr.op == "experts":
-        gate_up, down = (_static_shape(graph, s) for s in instr.inputs[3:])
+        gate_up, down = (_static_shape(graph, s) for s in instr.inputs[3:5])
     else:
         gate_up, down = (quantization.read_constant(instr, graph, at).shape
                          for at in quantization.packed_positions(instr.op))  # fmt: skip
@@ -67,17 +78,29 @@ def _check_experts(instr: Instruction, graph: Graph) -> None:
         raise FormatError(f"{where}: indices {indices} and weights {weights} must both be [T, k] for x {x}")
     if isinstance(indices[1], int) and not 1 <= indices[1] <= experts:
         raise FormatError(f"{where}: each token picks {indices[1]} experts of {experts}")
+    bias_shapes = tuple(_static_shape(graph, s) for s in biases)
+    if biases and None not in bias_shapes and bias_shapes != ((experts, two_i), (experts, hidden)):
+        raise FormatError(
+            f"{where}: expert biases must be [E, 2I] = {[experts, two_i]} and [E, H] = {[experts, hidden]}, "
+            f"got {list(bias_shapes[0])} and {list(bias_shapes[1])}"
+        )
 
 
 _EXPERTS_RULE = (
-    "[T, H]: sum over j of weights[t, j] * down[e] @ (act(gate) * up), [gate; up] = gate_up[e] @ x[t], "
-    "e = indices[t, j]; dtype of x (MLX: gather_mm over the selected experts' weights)"
+    "[T, H]: sum over j of weights[t, j] * (down[e] @ (act(gate) * up) + down_bias[e]), [gate; up] = "
+    "gate_up[e] @ x[t] + gate_up_bias[e], e = indices[t, j] (biases [E, 2I] and [E, H], both or neither); "
+    "dtype of x (MLX: gather_mm over the selected experts' weights)"
+)
+_ACTIVATION_ATTRS = (
+    AttrSpec("activation", "str", choices=EXPERT_ACTIVATIONS),
+    AttrSpec("alpha", "float", required=False),
+    AttrSpec("limit", "float", required=False),
 )
 define(
     OpSpec(
         "experts",
-        ("x", "indices", "weights", "gate_up", "down"),
-        (AttrSpec("activation", "str", choices=EXPERT_ACTIVATIONS),),
+        ("x", "indices", "weights", "gate_up", "down", "gate_up_bias?", "down_bias?"),
+        _ACTIVATION_ATTRS,
         output_rule=_EXPERTS_RULE,
         check=_check_experts,
     )
@@ -86,11 +109,10 @@ define(
     OpSpec(
         "quantized_experts",
         ("x", "indices", "weights", "gate_up", "gate_up_scales", "gate_up_biases?", "down", "down_scales",
-         "down_biases?"),
-        (AttrSpec("activation", "str", choices=EXPERT_ACTIVATIONS), AttrSpec("group_size", "int"),
-         AttrSpec("bits", "int"), AttrSpec("mode", "str")),
+         "down_biases?", "gate_up_bias?", "down_bias?"),
+        _ACTIVATION_ATTRS + (AttrSpec("group_size", "int"), AttrSpec("bits", "int"), AttrSpec("mode", "str")),
         output_rule=_EXPERTS_RULE + "; each weight replaced by its packed parts, every expert packed as a "
-        "quantized_linear weight (MLX: gather_qmm)",
+        "quantized_linear weight; the biases stay full precision (MLX: gather_qmm)",
         check=_check_experts,
     )  # fmt: skip
 )

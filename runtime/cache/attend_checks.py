@@ -15,7 +15,9 @@ from .config import LayerGeometry
 from .errors import AttendError
 
 
-def check_attend(cache: CacheBase, layer: object, q: Any, k: Any, v: Any, softcap: float) -> LayerGeometry:
+def check_attend(
+    cache: CacheBase, layer: object, q: Any, k: Any, v: Any, softcap: float, sinks: Any = None
+) -> LayerGeometry:
     """Check one ``attend`` call.
 
     Args:
@@ -23,6 +25,7 @@ def check_attend(cache: CacheBase, layer: object, q: Any, k: Any, v: Any, softca
         layer: the ``cache_id`` the call names.
         q, k, v: the call's arrays.
         softcap: the call's softcap (0 disables it).
+        sinks: the call's per-query-head sink logits, or None.
 
     Returns:
         The layer's geometry.
@@ -32,6 +35,10 @@ def check_attend(cache: CacheBase, layer: object, q: Any, k: Any, v: Any, softca
         AttendError: anything else that does not match.
     """
     tokens = len(cache.step_plan.step)
+    if sinks is not None and tuple(sinks.shape) != (q.shape[1],):
+        raise AttendError(
+            f"sinks must hold one logit per query head, [{q.shape[1]}], got shape {tuple(sinks.shape)}"
+        )
     try:
         signature = (type(layer), layer, tuple(q.shape), tuple(k.shape), tuple(v.shape), q.dtype, k.dtype, v.dtype,
                      softcap, tokens)

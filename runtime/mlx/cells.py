@@ -8,6 +8,8 @@ fused causal one, even for decode: a cell's neighbours may belong to other seque
 """
 from __future__ import annotations
 
+from typing import Optional
+
 from mlx_pte.runtime.mlx.bootstrap import mx
 
 from mlx_pte.runtime.cache import CacheConfig, CacheGeometry, CellCache, CellStepPlan
@@ -62,6 +64,7 @@ class MLXCellCache(CellCache):
         v: mx.array,
         scale: float,
         softcap: float = 0.0,
+        sinks: Optional[mx.array] = None,
     ) -> mx.array:
         """Scatter this step's K/V into its cells of ``layer`` and attend through the mask.
 
@@ -72,11 +75,12 @@ class MLXCellCache(CellCache):
             v: [1, Hkv, T, Dv].
             scale: softmax scale.
             softcap: > 0 caps scores at ``softcap * tanh(s / softcap)``.
+            sinks: [Hq] per-head sink logits in the softmax's denominator, or None.
 
         Returns:
             [1, Hq, T, Dv] in q's dtype.
         """
-        geo = check_attend(self, layer, q, k, v, softcap)
+        geo = check_attend(self, layer, q, k, v, softcap, sinks)
         plan = self.step_plan
         pools = self._pools[layer]
         cells, top = self._memo.get(
@@ -91,7 +95,7 @@ class MLXCellCache(CellCache):
         values = pools.v.read(0, 0, plan.read_len)
         window = geo.policy.window
         mask = self._memo.get(plan, ("mask", window), lambda: cell_mask(plan, window, self._memo))
-        return attend(q, keys, values, scale, softcap, mask)
+        return attend(q, keys, values, scale, softcap, mask, sinks)
 
     def _clear_storage(self) -> None:
         self._memo.clear()

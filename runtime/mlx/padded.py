@@ -118,7 +118,8 @@ def _slot_mask(
 
 
 def attend_padded(
-    pools: LayerPools, batch: PaddedBatch, q: mx.array, scale: float, softcap: float
+    pools: LayerPools, batch: PaddedBatch, q: mx.array, scale: float, softcap: float,
+    sinks: Optional[mx.array] = None,
 ) -> mx.array:
     """Attend every row in one call; the step's K/V are already written.
 
@@ -134,7 +135,7 @@ def attend_padded(
         padding = mx.zeros((1, q_heads, dim), q.dtype)
         queries = mx.take(mx.concatenate([queries, padding]), batch.gather, axis=0)
     queries = queries.reshape(rows, batch.t_max, q_heads, dim).transpose(0, 2, 1, 3)
-    out = attend(queries, keys, values, scale, softcap, batch.mask)  # [rows, Hq, t_max, Dv]
+    out = attend(queries, keys, values, scale, softcap, batch.mask, sinks)  # [rows, Hq, t_max, Dv]
     out = out.transpose(0, 2, 1, 3).reshape(rows * batch.t_max, q_heads, out.shape[-1])
     if batch.scatter is not None:
         out = mx.take(out, batch.scatter, axis=0)

@@ -96,6 +96,7 @@ class SequencePools:
         v: mx.array,
         scale: float,
         softcap: float = 0.0,
+        sinks: Optional[mx.array] = None,
     ) -> mx.array:
         """Write each span's K/V into its sequence's ``layer`` and attend its queries.
 
@@ -106,11 +107,12 @@ class SequencePools:
             v: [1, Hkv, T, Dv].
             scale: softmax scale.
             softcap: > 0 caps scores at ``softcap * tanh(s / softcap)``.
+            sinks: [Hq] per-head sink logits in the softmax's denominator, or None.
 
         Returns:
             [1, Hq, T, Dv] in q's dtype, token order as declared.
         """
-        check_attend(self, layer, q, k, v, softcap)
+        check_attend(self, layer, q, k, v, softcap, sinks)
         plan = self.step_plan
         index = self.policies.layer_layout[layer]
         layout = self.policies.layouts[index]
@@ -136,14 +138,14 @@ class SequencePools:
             plan, ("batch", index), lambda: plan_padded(runs, layout)
         )
         if batch is not None:
-            return attend_padded(pools, batch, q, scale, softcap)
+            return attend_padded(pools, batch, q, scale, softcap, sinks)
         outs = []
         for i, (span, run) in enumerate(runs):
             queries = q if len(runs) == 1 else q[:, :, span.start : span.start + span.count]
             keys = pools.k.read_runs(span.seq_id, run.read)
             values = pools.v.read_runs(span.seq_id, run.read)
             mask = self._memo.get(plan, ("span", index, i), lambda: run_mask(run))
-            outs.append(attend(queries, keys, values, scale, softcap, mask))
+            outs.append(attend(queries, keys, values, scale, softcap, mask, sinks))
         return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)
 
     def _clear_storage(self) -> None:

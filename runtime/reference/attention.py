@@ -48,6 +48,7 @@ def attend(
     scale: float,
     softcap: float,
     mask: Optional[torch.Tensor],
+    sinks: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Attend q over k/v in fp32.
 
@@ -58,6 +59,8 @@ def attend(
         scale: multiplies q.k.
         softcap: > 0 replaces scores s by ``softcap * tanh(s / softcap)``.
         mask: bool [T, S], True = attend, or None.
+        sinks: [Hq] logits, one per query head, that join each softmax's denominator and
+            attend to nothing (gpt-oss), or None.
 
     Returns:
         [1, Hq, T, Dv] in q's dtype.
@@ -70,4 +73,8 @@ def attend(
         scores = softcap * torch.tanh(scores / softcap)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    return (scores.softmax(dim=-1) @ values).to(q.dtype)
+    if sinks is None:
+        return (scores.softmax(dim=-1) @ values).to(q.dtype)
+    sink = sinks.float().reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    probs = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]
+    return (probs @ values).to(q.dtype)

@@ -6,6 +6,8 @@ window only narrows the mask and every layer spans the whole cell table.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from mlx_pte.runtime.cache import CacheConfig, CacheGeometry, CellCache, Run
@@ -33,13 +35,14 @@ class ReferenceCellCache(CellCache):
         v: torch.Tensor,
         scale: float,
         softcap: float = 0.0,
+        sinks: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """Scatter this step's K/V into its cells of ``layer`` and attend through the mask.
 
         Returns:
             [1, Hq, T, Dv] in q's dtype.
         """
-        geo = check_attend(self, layer, q, k, v, softcap)
+        geo = check_attend(self, layer, q, k, v, softcap, sinks)
         plan = self.step_plan
         pools = self._pools[layer]
         cells = torch.tensor(plan.cells)
@@ -49,7 +52,7 @@ class ReferenceCellCache(CellCache):
         keys = pools.k.read_runs(table)
         values = pools.v.read_runs(table)
         mask = torch.tensor(plan.mask(geo.policy.window))
-        return attend(q, keys, values, scale, softcap, mask)
+        return attend(q, keys, values, scale, softcap, mask, sinks)
 
     def _clear_storage(self) -> None:
         self._pools = self._fresh_pools()

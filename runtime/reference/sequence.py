@@ -7,7 +7,7 @@ sees its first span's tokens from its second.
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -33,6 +33,7 @@ def attend_spans(
     v: torch.Tensor,
     scale: float,
     softcap: float,
+    sinks: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Write and attend every span of ``plan`` on ``layer``; outputs in token order."""
     outs = []
@@ -43,7 +44,7 @@ def attend_spans(
         pools.v.write_runs(run.write, v[:, :, tokens])
         keys = pools.k.read_runs(run.read)
         values = pools.v.read_runs(run.read)
-        outs.append(attend(q[:, :, tokens], keys, values, scale, softcap, run_mask(run)))
+        outs.append(attend(q[:, :, tokens], keys, values, scale, softcap, run_mask(run), sinks))
     return torch.cat(outs, dim=2)
 
 
@@ -65,14 +66,15 @@ class ReferenceSingleCache(SingleCache):
         v: torch.Tensor,
         scale: float,
         softcap: float = 0.0,
+        sinks: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """Write this step's K/V into ``layer`` and attend q over its window.
 
         Returns:
             [1, Hq, T, Dv] in q's dtype.
         """
-        check_attend(self, layer, q, k, v, softcap)
-        return attend_spans(self.step_plan, layer, lambda _: self._pools, q, k, v, scale, softcap)
+        check_attend(self, layer, q, k, v, softcap, sinks)
+        return attend_spans(self.step_plan, layer, lambda _: self._pools, q, k, v, scale, softcap, sinks)
 
     def _clear_storage(self) -> None:
         self._pools = self._fresh_pools()
@@ -99,14 +101,15 @@ class ReferenceBatchedSequenceCache(BatchedSequenceCache):
         v: torch.Tensor,
         scale: float,
         softcap: float = 0.0,
+        sinks: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """Write each span's K/V into its sequence's ``layer`` and attend its queries.
 
         Returns:
             [1, Hq, T, Dv] in q's dtype, token order as declared.
         """
-        check_attend(self, layer, q, k, v, softcap)
-        return attend_spans(self.step_plan, layer, self._pools_of, q, k, v, scale, softcap)
+        check_attend(self, layer, q, k, v, softcap, sinks)
+        return attend_spans(self.step_plan, layer, self._pools_of, q, k, v, scale, softcap, sinks)
 
     def _release_sequence(self, seq_id: int) -> None:
         self._pools.pop(seq_id, None)

@@ -24,6 +24,7 @@ EXPECTED = {
     "mixtral": ((FLAT, FLAT), (0, 1)),
     "olmoe": ((FLAT, FLAT), (0, 1)),
     "qwen2_moe": ((FLAT, FLAT), (0, 1)),
+    "gpt_oss": ((RING, FLAT), (0, 1)),
 }
 
 

@@ -28,7 +28,7 @@ OTHER_PROMPT = "Return the value of a keyword argument."
 PROMPT_LEN = 12
 OTHER_LEN = 7
 NEW_TOKENS = 24
-SLIDING_FAMILIES = ("mistral", "gemma3", "gemma2", "gemma3n")
+SLIDING_FAMILIES = ("mistral", "gemma3", "gemma2", "gemma3n", "gpt_oss")
 
 
 @dataclass

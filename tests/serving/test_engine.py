@@ -65,8 +65,8 @@ def submit_all(engine: Engine, requests, events: dict):
 
 
 # gemma3 mixes a sliding-window layer (window 4, a ring the prompts wrap) with a flat one;
-# qwen3_moe routes each row of a batch to its own experts.
-@pytest.mark.parametrize("family", ["llama", "gemma3", "qwen3_moe"])
+# qwen3_moe routes each row of a batch to its own experts; gpt_oss adds attention sinks on both.
+@pytest.mark.parametrize("family", ["llama", "gemma3", "qwen3_moe", "gpt_oss"])
 @pytest.mark.parametrize("kind", KINDS)
 def test_batched_greedy_equals_single_sequence(programs, oracle, kind, family):
     engine = Engine(programs(family), kind, capacity=400, max_batch_tokens=24)

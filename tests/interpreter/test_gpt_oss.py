@@ -1,0 +1,162 @@
+"""gpt-oss on MLX against HF's own eager code (the oracle): its experts (biased router,
+interleaved gate/up, biases, clamped SwiGLU), its attention sinks over every mask the
+caches build, the whole model against HF with eager experts, and the checks that refuse
+what does not fit. The family's runs over every cache kind, capture on and off, chunked
+prefill and quantized weights are in the every-family suites (test_hf_pipeline,
+test_quantized_hf, test_hf_parity, serving/test_engine)."""
+from __future__ import annotations
+
+import shutil
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, GptOssConfig
+from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts, eager_attention_forward
+
+from mlx_pte.export.experts_layout import conversions, convert_in_place
+from mlx_pte.export.hf_errors import CheckpointError
+from mlx_pte.export.hf_export import export_hf
+from mlx_pte.interpreter.handlers import HANDLERS, RunContext
+from mlx_pte.interpreter.moe_handlers import SORT_FROM_PAIRS
+from mlx_pte.interpreter.program import load
+from mlx_pte.interpreter.session import Session
+from mlx_pte.ir.catalog import lookup
+from mlx_pte.ir.errors import FormatError
+from mlx_pte.ir.graph import Graph, Instruction, SlotKind, TensorType
+from mlx_pte.runtime.cache import AttendError, Step
+from mlx_pte.runtime.mlx.attention import attend
+from mlx_pte.runtime.reference.attention import lower_right_mask
+from tests.interpreter.test_moe import _edit_config
+
+HIDDEN, INTER, EXPERTS, TOP_K = 16, 8, 4, 2
+
+
+def _hf_experts() -> GptOssExperts:
+    config = GptOssConfig(hidden_size=HIDDEN, intermediate_size=INTER, num_local_experts=EXPERTS)
+    config._experts_implementation = "eager"
+    module = GptOssExperts(config)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        # Wide weights, so many projections land past the clamps (limit 7).
+        for p in module.parameters():
+            torch.nn.init.normal_(p, std=2.0)
+    return module
+
+
+@pytest.mark.parametrize("tokens", [1, 5, SORT_FROM_PAIRS])  # the last is past the sorting threshold
+def test_experts_match_hf_eager_experts(tokens: int):
+    module = _hf_experts()
+    gen = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, HIDDEN, generator=gen)
+    indices = torch.stack([torch.randperm(EXPERTS, generator=gen)[:TOP_K] for _ in range(tokens)])
+    weights = torch.rand(tokens, TOP_K, generator=gen)
+    with torch.no_grad():
+        want = module(x, indices, weights).numpy()
+        projections = torch.einsum("th,ehn->ten", x, module.gate_up_proj) + module.gate_up_proj_bias
+        assert (projections > module.limit).any() and (projections < -module.limit).any()  # clamps exercised
+        converted = {a: c.fn(getattr(module, a).detach()) for a, c in conversions(module).items()}
+    operands = (x, indices, weights, converted["gate_up_proj"], converted["down_proj"],
+                converted["gate_up_proj_bias"], module.down_proj_bias.detach())  # fmt: skip
+    attrs = {"activation": "clamped_swiglu", "alpha": module.alpha, "limit": module.limit}
+    got = HANDLERS["experts"]([mx.array(a.numpy()) for a in operands], attrs, RunContext())
+    np.testing.assert_allclose(np.array(got), want, atol=1e-4, rtol=1e-6)
+
+
+@pytest.mark.parametrize("queries, keys, window", [(1, 9, 0), (5, 9, 0), (5, 9, 4), (6, 6, 0), (6, 6, 3)])
+@pytest.mark.parametrize("fused_mask", [True, False], ids=["causal", "bool"])
+def test_sinks_match_hf_eager_attention(queries: int, keys: int, window: int, fused_mask: bool):
+    if fused_mask and window:
+        pytest.skip("the fused causal mask has no window")
+    gen = torch.Generator().manual_seed(queries * 31 + keys + window)
+    q, k, v = (torch.randn(1, h, n, 16, generator=gen) for h, n in ((4, queries), (2, keys), (2, keys)))
+    sinks = 2 * torch.randn(4, generator=gen)
+    mask = lower_right_mask(queries, keys, window)
+
+    class Layer(torch.nn.Module):  # what eager_attention_forward reads of the layer
+        num_key_value_groups, training = 2, False
+
+    layer = Layer()
+    layer.sinks = sinks
+    additive = torch.zeros(queries, keys).masked_fill(~mask, float("-inf"))[None, None]
+    want, _ = eager_attention_forward(layer, q, k, v, additive, scaling=0.25)
+    mlx_mask = "causal" if fused_mask else mx.array(mask.numpy())[None, None]
+    got = attend(*(mx.array(a.numpy()) for a in (q, k, v)), 0.25, 0.0, mlx_mask, mx.array(sinks.numpy()))
+    np.testing.assert_allclose(np.array(got).transpose(0, 2, 1, 3), want.numpy(), atol=1e-6, rtol=0)
+
+
+def test_model_matches_hf_with_eager_experts_and_attention(tiny_checkpoint, tmp_path):
+    """HF's default experts kernel for gpt-oss is grouped_mm; this is against its eager loop."""
+    path = tiny_checkpoint("gpt_oss")
+    program = load(export_hf(path, tmp_path / "m.pte", max_step=16, progress=False))
+    ops = [i.op for i in program.graph.instructions]
+    assert ops.count("update_and_attend") == ops.count("experts") == 2
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True,
+                                              attn_implementation="eager", experts_implementation="eager").eval()  # fmt: skip
+    assert hf.config._experts_implementation == "eager"
+    prompt = list(range(40, 52))
+    with torch.no_grad():
+        want = hf(torch.tensor([prompt]), use_cache=False).logits[0].numpy()
+    session = Session(program, kind="single", capacity=64)
+    got = session.forward(prompt, seq_ids=session.cache.seq_new(), rows=range(len(prompt)))
+    np.testing.assert_allclose(np.array(got), want, atol=1e-4, rtol=0)
+
+
+def test_top_k_beyond_the_expert_count_is_one_export_error(tiny_checkpoint, tmp_path):
+    path = tmp_path / "ckpt"
+    shutil.copytree(tiny_checkpoint("gpt_oss"), path)
+    _edit_config(path, num_experts_per_tok=5)
+    with pytest.raises(CheckpointError, match="num_experts_per_tok=5 experts of 4"):
+        export_hf(path, tmp_path / "m.pte", max_step=16, progress=False)
+    assert not (tmp_path / "m.pte").exists()
+
+
+def test_a_gate_other_than_the_clamped_swiglu_is_refused(monkeypatch):
+    experts = _hf_experts()
+    monkeypatch.setattr(GptOssExperts, "_apply_gate", lambda self, gu: gu[..., ::2] * gu[..., 1::2])
+    with pytest.raises(CheckpointError, match="not gpt-oss's clamped SwiGLU"):
+        convert_in_place(experts, lambda old, c: old)
+    assert not hasattr(experts, "mlx_pte_clamped")
+
+
+def _experts_instr(bias_shapes: tuple, attrs: dict) -> tuple[Instruction, Graph]:
+    g = Graph()
+    shapes = [(3, HIDDEN), (3, TOP_K), (3, TOP_K), (EXPERTS, 2 * INTER, HIDDEN), (EXPERTS, HIDDEN, INTER),
+              *bias_shapes]  # fmt: skip
+    dtypes = ["float32", "int64"] + ["float32"] * (len(shapes) - 2)
+    inputs = tuple(g.add_slot(f"s{i}", SlotKind.INPUT, TensorType(d, s)) for i, (d, s) in enumerate(zip(dtypes, shapes)))
+    out = g.add_slot("out", SlotKind.TEMP, TensorType("float32", (3, HIDDEN)))
+    return Instruction("experts", inputs, (out,), tuple(attrs.items())), g
+
+
+CLAMPED = {"activation": "clamped_swiglu", "alpha": 1.702, "limit": 7.0}
+BIASES = ((EXPERTS, 2 * INTER), (EXPERTS, HIDDEN))
+
+
+def test_catalog_accepts_biased_clamped_experts():
+    lookup("experts").validate(*_experts_instr(BIASES, CLAMPED))
+
+
+@pytest.mark.parametrize(
+    "bias_shapes, attrs, message",
+    [
+        (BIASES[:1], CLAMPED, "both expert biases"),
+        (((EXPERTS, INTER), (EXPERTS, HIDDEN)), CLAMPED, r"expert biases must be \[E, 2I\]"),
+        (BIASES, {"activation": "clamped_swiglu", "alpha": 1.702}, "alpha and limit"),
+        (BIASES, {"activation": "silu", "alpha": 1.702, "limit": 7.0}, "alpha and limit"),
+    ],
+)
+def test_catalog_refuses_experts_biases_or_gates_that_do_not_fit(bias_shapes, attrs, message):
+    with pytest.raises(FormatError, match=message):
+        lookup("experts").validate(*_experts_instr(bias_shapes, attrs))
+
+
+def test_sinks_of_another_head_count_are_one_attend_error(tiny_checkpoint, tmp_path):
+    program = load(export_hf(tiny_checkpoint("gpt_oss"), tmp_path / "m.pte", max_step=16, progress=False))
+    session = Session(program, kind="single", capacity=64)
+    cache = session.cache
+    cache.declare_step(Step((cache.seq_new(),), (0,)))
+    q, kv = mx.zeros((1, 4, 1, 16)), mx.zeros((1, 2, 1, 16))
+    with pytest.raises(AttendError, match=r"sinks must hold one logit per query head, \[4\]"):
+        cache.attend(0, q, kv, kv, 0.25, 0.0, mx.zeros((2,)))
