@@ -43,7 +43,7 @@ def _bench():
     return module
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma3n"])
+@pytest.mark.parametrize("family", ["llama", "gemma3n", "gpt_oss"])
 def test_the_skeleton_traces_the_graph_the_real_model_traces(tiny_checkpoint, family):
     checkpoint = load_checkpoint(tiny_checkpoint(family))
     layout = cache_layout(checkpoint.config)
