@@ -569,6 +569,17 @@ for _name in SCALAR_BINARY:
     )
 
 # The runtime-owned KV cache.
+def _check_sinks(instr: Instruction, graph: Graph) -> None:
+    if len(instr.inputs) < 5 or instr.inputs[4] is None:
+        return
+    q, sinks = (graph.slots[s].type for s in (instr.inputs[0], instr.inputs[4]))
+    if isinstance(q, TensorType) and isinstance(sinks, TensorType) and q.shape is not None and sinks.shape is not None \
+            and (len(q.shape) != 4 or tuple(sinks.shape) != (q.shape[1],)):  # fmt: skip
+        raise FormatError(
+            f"instruction 'update_and_attend': sinks must be [Hq] for q {list(q.shape)}, got {list(sinks.shape)}"
+        )
+
+
 define(
     OpSpec(
         "update_and_attend",
@@ -577,6 +588,7 @@ define(
         output_rule="[1, Hq, T, Dv]: q's shape with the last dim of v; dtype of q. sinks [Hq] (gpt-oss): one "
         "logit per query head that joins each softmax's denominator and attends to nothing "
         "(MLX: scaled_dot_product_attention(..., sinks=sinks))",
+        check=_check_sinks,
     )
 )
 

@@ -64,11 +64,13 @@ def test_experts_match_hf_eager_experts(tokens: int):
     np.testing.assert_allclose(np.array(got), want, atol=1e-4, rtol=1e-6)
 
 
-@pytest.mark.parametrize("queries, keys, window", [(1, 9, 0), (5, 9, 0), (5, 9, 4), (6, 6, 0), (6, 6, 3)])
-@pytest.mark.parametrize("fused_mask", [True, False], ids=["causal", "bool"])
+# (queries, keys, window, fused causal mask): decode, a continuation, a band, a prefill.
+SINK_CASES = [(1, 9, 0, True), (1, 9, 0, False), (5, 9, 0, True), (5, 9, 0, False), (5, 9, 4, False),
+              (6, 6, 0, True), (6, 6, 0, False), (6, 6, 3, False)]  # fmt: skip
+
+
+@pytest.mark.parametrize("queries, keys, window, fused_mask", SINK_CASES)
 def test_sinks_match_hf_eager_attention(queries: int, keys: int, window: int, fused_mask: bool):
-    if fused_mask and window:
-        pytest.skip("the fused causal mask has no window")
     gen = torch.Generator().manual_seed(queries * 31 + keys + window)
     q, k, v = (torch.randn(1, h, n, 16, generator=gen) for h, n in ((4, queries), (2, keys), (2, keys)))
     sinks = 2 * torch.randn(4, generator=gen)
@@ -160,3 +162,33 @@ def test_sinks_of_another_head_count_are_one_attend_error(tiny_checkpoint, tmp_p
     q, kv = mx.zeros((1, 4, 1, 16)), mx.zeros((1, 2, 1, 16))
     with pytest.raises(AttendError, match=r"sinks must hold one logit per query head, \[4\]"):
         cache.attend(0, q, kv, kv, 0.25, 0.0, mx.zeros((2,)))
+
+
+def _attend_instr(sinks_shape: tuple | None) -> tuple[Instruction, Graph]:
+    g = Graph()
+    shapes = [(1, 4, 3, 16), (1, 2, 3, 16), (1, 2, 3, 16), (3,)] + ([sinks_shape] if sinks_shape else [])
+    dtypes = ["float32"] * 3 + ["int64"] + ["float32"] * bool(sinks_shape)
+    inputs = tuple(g.add_slot(f"s{i}", SlotKind.INPUT, TensorType(d, s)) for i, (d, s) in enumerate(zip(dtypes, shapes)))
+    out = g.add_slot("out", SlotKind.TEMP, TensorType("float32", (1, 4, 3, 16)))
+    attrs = (("cache_id", 0), ("scale", 0.25), ("softcap", 0.0))
+    return Instruction("update_and_attend", inputs, (out,), attrs), g
+
+
+@pytest.mark.parametrize("sinks_shape", [None, (4,)], ids=["without", "with"])
+def test_catalog_accepts_attention_with_or_without_sinks(sinks_shape):
+    lookup("update_and_attend").validate(*_attend_instr(sinks_shape))
+
+
+@pytest.mark.parametrize("sinks_shape", [(2,), (1, 4)])
+def test_catalog_refuses_sinks_not_one_per_query_head(sinks_shape):
+    with pytest.raises(FormatError, match=r"sinks must be \[Hq\]"):
+        lookup("update_and_attend").validate(*_attend_instr(sinks_shape))
+
+
+def test_expert_count_unlike_the_weights_is_one_export_error(tiny_checkpoint, tmp_path):
+    path = tmp_path / "ckpt"
+    shutil.copytree(tiny_checkpoint("gpt_oss"), path)
+    _edit_config(path, num_local_experts=3)
+    with pytest.raises(CheckpointError, match="config.json and the weights disagree"):
+        export_hf(path, tmp_path / "m.pte", max_step=16, progress=False)
+    assert not (tmp_path / "m.pte").exists()
