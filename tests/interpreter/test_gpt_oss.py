@@ -20,7 +20,7 @@ from mlx_pte.export.hf_errors import CheckpointError
 from mlx_pte.export.hf_export import export_hf
 from mlx_pte.interpreter.handlers import HANDLERS, RunContext
 from mlx_pte.interpreter.moe_handlers import SORT_FROM_PAIRS
-from mlx_pte.interpreter.program import load
+from mlx_pte.interpreter.program import Program, load
 from mlx_pte.interpreter.session import Session
 from mlx_pte.ir.catalog import lookup
 from mlx_pte.ir.errors import FormatError
@@ -88,10 +88,15 @@ def test_sinks_match_hf_eager_attention(queries: int, keys: int, window: int, fu
     np.testing.assert_allclose(np.array(got).transpose(0, 2, 1, 3), want.numpy(), atol=1e-6, rtol=0)
 
 
-def test_model_matches_hf_with_eager_experts_and_attention(tiny_checkpoint, tmp_path):
+@pytest.fixture(scope="module")
+def program(tiny_checkpoint, tmp_path_factory) -> Program:
+    return load(export_hf(tiny_checkpoint("gpt_oss"), tmp_path_factory.mktemp("gpt_oss") / "m.pte", max_step=16,
+                          progress=False))  # fmt: skip
+
+
+def test_model_matches_hf_with_eager_experts_and_attention(tiny_checkpoint, program: Program):
     """HF's default experts kernel for gpt-oss is grouped_mm; this is against its eager loop."""
     path = tiny_checkpoint("gpt_oss")
-    program = load(export_hf(path, tmp_path / "m.pte", max_step=16, progress=False))
     ops = [i.op for i in program.graph.instructions]
     assert ops.count("update_and_attend") == ops.count("experts") == 2
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True,
@@ -154,8 +159,7 @@ def test_catalog_refuses_experts_biases_or_gates_that_do_not_fit(bias_shapes, at
         lookup("experts").validate(*_experts_instr(bias_shapes, attrs))
 
 
-def test_sinks_of_another_head_count_are_one_attend_error(tiny_checkpoint, tmp_path):
-    program = load(export_hf(tiny_checkpoint("gpt_oss"), tmp_path / "m.pte", max_step=16, progress=False))
+def test_sinks_of_another_head_count_are_one_attend_error(program: Program):
     session = Session(program, kind="single", capacity=64)
     cache = session.cache
     cache.declare_step(Step((cache.seq_new(),), (0,)))
