@@ -82,7 +82,13 @@ def _routed(x: mx.array, indices: mx.array, weights: mx.array, gate_up: ExpertMa
 
 def _dense(w: mx.array) -> ExpertMatmul:
     w_t = w.swapaxes(-1, -2)
-    return lambda rows, ids, is_sorted: mx.gather_mm(rows, w_t, rhs_indices=ids, sorted_indices=is_sorted)
+    if w.dtype == mx.float32 or mx.default_device().type != mx.DeviceType.cpu:
+        return lambda rows, ids, is_sorted: mx.gather_mm(rows, w_t, rhs_indices=ids, sorted_indices=is_sorted)
+    # MLX's CPU gather_mm runs float32 only (see _gather_mm below): compute in float32, round once.
+    w_32 = w_t.astype(mx.float32)
+    return lambda rows, ids, is_sorted: mx.gather_mm(
+        rows.astype(mx.float32), w_32, rhs_indices=ids, sorted_indices=is_sorted
+    ).astype(rows.dtype)
 
 
 def _packed(w: mx.array, scales: mx.array, biases: Optional[mx.array], attrs: dict[str, Any]) -> ExpertMatmul:

@@ -168,3 +168,21 @@ def test_group_size_dividing_one_experts_width_is_one_export_error(tiny_checkpoi
         export_hf(tiny_checkpoint("qwen3_moe"), tmp_path / "q.pte", max_step=16, progress=False,
                   quantize=QuantSpec("affine", 4, 64))  # fmt: skip
     assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("tokens", [3, SORT_FROM_PAIRS])
+def test_bfloat16_experts_run_on_the_cpu_within_bfloat16_rounding_of_hf(tokens: int):
+    """MLX's CPU gather_mm takes float32 only; half-precision experts compute in float32 there
+    (on a GPU the kernel takes bfloat16 itself)."""
+    module = _hf_experts()
+    gen = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, HIDDEN, generator=gen)
+    indices = torch.stack([torch.randperm(EXPERTS, generator=gen)[:2] for _ in range(tokens)])
+    weights = torch.rand(tokens, 2, generator=gen)
+    with torch.no_grad():
+        want = module(x, indices, weights).numpy()
+    as_bf16 = [mx.array(a.numpy()).astype(mx.bfloat16) if a.is_floating_point() else mx.array(a.numpy())
+               for a in (x, indices, weights, module.gate_up_proj.detach(), module.down_proj.detach())]  # fmt: skip
+    got = HANDLERS["experts"](as_bf16, {"activation": "silu"}, RunContext())
+    assert got.dtype == mx.bfloat16
+    np.testing.assert_allclose(np.array(got.astype(mx.float32)), want, atol=0.05 * np.abs(want).max(), rtol=0)
