@@ -1,7 +1,7 @@
 """Differential: the MLX and reference byte layers of every kind, and a cacheless oracle.
 
 Hypothesis draws a geometry (flat and ring layers, GQA ratio, head dims with Dv != D,
-softcap, max_write, storage dtype) and a script of verbs and steps. Every step's random
+softcap, attention sinks, max_write, storage dtype) and a script of verbs and steps. Every step's random
 q/k/v are generated once and fed to every cache; every layer's output must match the
 oracle (float64 attention recomputed from each sequence's stored history) and the other
 caches. Scripts hold only verbs every kind accepts and verbs every kind refuses, so one
@@ -62,6 +62,7 @@ class Setup:
     config: CacheConfig
     n_q: int
     softcap: float
+    sinks: Optional[np.ndarray]  # [n_q] float32 (gpt-oss's attention sinks), or None
 
     @property
     def windows(self) -> tuple[int, ...]:
@@ -80,11 +81,14 @@ def setups(draw) -> Setup:
         initial_capacity=draw(st.sampled_from([1, 4, 512])),
         kv_dtype=draw(st.sampled_from(["float32", "float32", "float16", "bfloat16"])),
     )
+    n_q = n_kv * draw(st.sampled_from([1, 2, 3]))
+    sinks = draw(st.none() | st.lists(st.floats(-3, 3, width=32), min_size=n_q, max_size=n_q))
     return Setup(
         geometry(windows, n_kv, head_dim, v_head_dim),
         config,
-        n_kv * draw(st.sampled_from([1, 2, 3])),
+        n_q,
         draw(st.sampled_from([0.0, 2.5])),
+        None if sinks is None else np.array(sinks, np.float32),
     )
 
 
@@ -205,14 +209,14 @@ class Harness:
         softcap = self.setup.softcap
         # The oracle holds K/V as storage keeps them; attention itself runs in fp32.
         truth = stored(data, self.setup.config.kv_dtype)
-        want = expected_all(self.oracle, step, truth, 0.5, softcap)
+        want = expected_all(self.oracle, step, truth, 0.5, softcap, self.setup.sinks)
         self.verb("declare_step", step)
         if bad is not None:
             self.refuse("declare_step", bad)
         outs = {}
         for (backend, kind), cache in self.caches.items():
             converter = MLX if backend == MLX.name else TORCH
-            outs[backend, kind] = attend_all(cache, converter, data, 0.5, softcap)
+            outs[backend, kind] = attend_all(cache, converter, data, 0.5, softcap, self.setup.sinks)
         self.verb("abort_step" if abort else "finish_step")
         reference = outs[TORCH.name, self.kinds[0]]
         for key, got in outs.items():

@@ -8,6 +8,7 @@ history plus the step's tokens, and only ``commit`` makes the step history.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 import numpy as np
 
@@ -55,8 +56,10 @@ class HistoryOracle:
         v: np.ndarray,
         scale: float,
         softcap: float = 0.0,
+        sinks: Optional[np.ndarray] = None,
     ) -> np.ndarray:
-        """[1, Hq, T, Dv] float64: each token over its sequence's visible positions."""
+        """[1, Hq, T, Dv] float64: each token over its sequence's visible positions; a
+        head's sink logit, when given, adds ``exp(sink)`` to its softmax's denominator."""
         staged = self._staged(layer, seq_ids, positions, k, v)
         window = self.windows[layer]
         n_q, n_kv = q.shape[1], k.shape[1]
@@ -70,8 +73,11 @@ class HistoryOracle:
                 scores = keys[g] @ np.asarray(q[0, h, i], np.float64) * scale
                 if softcap > 0:
                     scores = softcap * np.tanh(scores / softcap)
-                weights = np.exp(scores - scores.max())
-                out[0, h, i] = weights @ values[g] / weights.sum()
+                sink = None if sinks is None else float(sinks[h])
+                top = scores.max() if sink is None else max(scores.max(), sink)
+                weights = np.exp(scores - top)
+                denominator = weights.sum() + (0.0 if sink is None else np.exp(sink - top))
+                out[0, h, i] = weights @ values[g] / denominator
         return out
 
     def commit(self, seq_ids, positions, ks: list[np.ndarray], vs: list[np.ndarray]) -> None:

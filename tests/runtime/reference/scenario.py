@@ -6,7 +6,7 @@ driver serves the reference layer, the MLX layer and any kind of either.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -62,21 +62,24 @@ def stored(data: StepData, kv_dtype: str) -> StepData:
 
 
 def attend_all(
-    cache: Any, backend: Backend, data: StepData, scale: float, softcap: float
+    cache: Any, backend: Backend, data: StepData, scale: float, softcap: float,
+    sinks: Optional[np.ndarray] = None,
 ) -> list[np.ndarray]:
-    """Every layer's output of the declared step, as numpy."""
+    """Every layer's output of the declared step, as numpy (``sinks``: every layer's)."""
     to = backend.to_tensor
+    extra = () if sinks is None else (to(sinks),)
     return [
-        backend.to_numpy(cache.attend(layer, to(q), to(k), to(v), scale, softcap))
+        backend.to_numpy(cache.attend(layer, to(q), to(k), to(v), scale, softcap, *extra))
         for layer, (q, k, v) in enumerate(zip(data.q, data.k, data.v))
     ]
 
 
 def expected_all(
-    oracle: HistoryOracle, step: Step, data: StepData, scale: float, softcap: float
+    oracle: HistoryOracle, step: Step, data: StepData, scale: float, softcap: float,
+    sinks: Optional[np.ndarray] = None,
 ) -> list[np.ndarray]:
     return [
-        oracle.attend(layer, step.seq_ids, step.positions, q, k, v, scale, softcap)
+        oracle.attend(layer, step.seq_ids, step.positions, q, k, v, scale, softcap, sinks)
         for layer, (q, k, v) in enumerate(zip(data.q, data.k, data.v))
     ]
 
