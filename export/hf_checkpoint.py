@@ -18,6 +18,7 @@ from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
+    Mxfp4Config,
     PretrainedConfig,
     PreTrainedTokenizerBase,
 )
@@ -275,6 +276,15 @@ def weight_sources(module: torch.nn.Module) -> dict[str, CheckpointTensor]:
     return {name: getattr(t, _SOURCE_ATTR) for name, t in named if hasattr(t, _SOURCE_ATTR)}
 
 
+def _dequantizing(config: PretrainedConfig) -> dict[str, Any]:
+    """``from_pretrained`` options that dequantize an MXFP4 checkpoint on load (gpt-oss ships
+    its experts so): transformers does so by itself only where it has no MXFP4 kernel, and
+    elsewhere keeps packed experts modules that do not export."""
+    quantization = getattr(config, "quantization_config", None)
+    method = quantization.get("quant_method") if isinstance(quantization, dict) else getattr(quantization, "quant_method", None)
+    return {"quantization_config": Mxfp4Config(dequantize=True)} if str(getattr(method, "value", method)) == "mxfp4" else {}
+
+
 def load_model(checkpoint: HFCheckpoint, dtype: str, attn_implementation: str) -> torch.nn.Module:
     """The checkpoint's causal LM in eval mode, in ``dtype``, with the given attention.
 
@@ -290,6 +300,7 @@ def load_model(checkpoint: HFCheckpoint, dtype: str, attn_implementation: str) -
             dtype=TORCH_DTYPES[dtype],
             attn_implementation=attn_implementation,
             local_files_only=True,
+            **_dequantizing(checkpoint.config),
         )
     # torch asserts its own preconditions, such as a config pad_token_id inside the embedding.
     except (ValueError, KeyError, OSError, RuntimeError, SafetensorError, AssertionError) as exc:

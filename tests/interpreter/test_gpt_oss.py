@@ -3,16 +3,18 @@ interleaved gate/up, biases, clamped SwiGLU), its attention sinks over every mas
 caches build, the whole model against HF with eager experts, and the checks that refuse
 what does not fit. The family's runs over every cache kind, capture on and off, chunked
 prefill and quantized weights are in the every-family suites (test_hf_pipeline,
-test_quantized_hf, test_hf_parity, serving/test_engine)."""
+test_quantized_hf, test_hf_parity, serving/test_engine); an MXFP4 checkpoint (as gpt-oss ships) exports too."""
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, GptOssConfig
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM, GptOssConfig, Mxfp4Config
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts, eager_attention_forward
 
 from mlx_pte.export.experts_layout import conversions, convert_in_place
@@ -196,3 +198,36 @@ def test_expert_count_unlike_the_weights_is_one_export_error(tiny_checkpoint, tm
     with pytest.raises(CheckpointError, match="config.json and the weights disagree"):
         export_hf(path, tmp_path / "m.pte", max_step=16, progress=False)
     assert not (tmp_path / "m.pte").exists()
+
+
+def _mxfp4_checkpoint(dense: Path, out: Path) -> Path:
+    """``dense`` with its experts' weights replaced by random MXFP4 packs, stored as gpt-oss's
+    release does: ``*_blocks [E, N, K/32, 16]`` (two 4-bit values a byte) and ``*_scales
+    [E, N, K/32]`` (power-of-two exponents biased by 127), N the output features."""
+    shutil.copytree(dense, out)
+    (weights,) = out.glob("*.safetensors")
+    tensors = load_file(weights)
+    gen = torch.Generator().manual_seed(0)
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        experts, k, n = tensors.pop(name).shape  # gpt-oss's [E, in, out]
+        tensors[f"{name}_blocks"] = torch.randint(0, 256, (experts, n, k // 32, 16), generator=gen, dtype=torch.uint8)
+        tensors[f"{name}_scales"] = torch.randint(124, 128, (experts, n, k // 32), generator=gen, dtype=torch.uint8)
+    save_file(tensors, weights, metadata={"format": "pt"})
+    _edit_config(out, quantization_config={"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]})
+    return out
+
+
+def test_an_mxfp4_checkpoint_exports_its_experts_dequantized(tiny_checkpoint, tmp_path):
+    """The oracle is HF's own dequantization of the packs on load."""
+    path = _mxfp4_checkpoint(tiny_checkpoint("gpt_oss"), tmp_path / "mxfp4")
+    program = load(export_hf(path, tmp_path / "m.pte", max_step=16, progress=False))
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True,
+                                              quantization_config=Mxfp4Config(dequantize=True)).eval()  # fmt: skip
+    assert type(hf.model.layers[0].mlp.experts) is GptOssExperts
+    prompt = list(range(40, 52))
+    with torch.no_grad():
+        want = hf(torch.tensor([prompt]), use_cache=False).logits[0].numpy()
+    session = Session(program, kind="single", capacity=64)
+    got = session.forward(prompt, seq_ids=session.cache.seq_new(), rows=range(len(prompt)))
+    np.testing.assert_allclose(np.array(got), want, atol=1e-4, rtol=0)
