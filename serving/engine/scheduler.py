@@ -240,19 +240,13 @@ class Scheduler:
             share = self._running_share(job)
             if share is not None:
                 # The prefix is being prefilled by a running request: wait for it, then
-                # fork it, rather than computing it twice.
+                # fork it, rather than computing it twice. Its reservation starts now, so
+                # retained prompts give way now, as they do for a request admitted cold.
+                self._shrink_store(job.footprint, len(job.samples))
                 job.share = share
                 self._start(job, None)
                 return True
-            seq_id = self._open_sequence(job)
-            verdict = self._check_first_chunk(step, job, seq_id)
-            if not verdict and (job.fed or len(self.prompt_store)):
-                # Retained prompts never cost a request its start: retry as without them.
-                self.cache.seq_rm(seq_id)
-                self.prompt_store.clear()
-                job.fed = 0
-                seq_id = self.cache.seq_new()
-                verdict = self._check_first_chunk(step, job, seq_id)
+            seq_id, verdict = self._first_chunk_in(step, job, self._open_sequence(job))
             if verdict:
                 self._start(job, seq_id)
                 self._add_chunk(step, job, seq_id)
@@ -309,8 +303,8 @@ class Scheduler:
                 self.cache.seq_rm(seq_id)
                 seq_id, job.fed = None, 0
         if seq_id is None:
-            seq_id = self.cache.seq_new()
-            if not self._check_first_chunk(step, job, seq_id):
+            seq_id, verdict = self._first_chunk_in(step, job, self.cache.seq_new())
+            if not verdict:
                 self.cache.seq_rm(seq_id)  # the cache cannot take it yet: wait, as queued requests do
                 return None
         job.share = None
@@ -336,6 +330,20 @@ class Scheduler:
             handle.stats.cached_tokens = job.fed
             self.stats.prefix_hits += 1
             self.stats.cached_tokens += job.fed
+
+    def _first_chunk_in(self, step: StepPlan, job: Job, seq_id: int) -> tuple[int, Verdict]:
+        """Check ``job``'s first chunk in ``seq_id``; where the cache refuses it and
+        retained prompts (or a fork of one) hold room, retry cold without them, since
+        retained prompts never cost a request its start. Returns the sequence to use (the
+        caller removes it when the verdict refuses) and the verdict."""
+        verdict = self._check_first_chunk(step, job, seq_id)
+        if not verdict and (job.fed or len(self.prompt_store)):
+            self.cache.seq_rm(seq_id)
+            self.prompt_store.clear()
+            job.fed = 0
+            seq_id = self.cache.seq_new()
+            verdict = self._check_first_chunk(step, job, seq_id)
+        return seq_id, verdict
 
     def _check_first_chunk(self, step: StepPlan, job: Job, seq_id: int) -> Verdict:
         return self.cache.check_step(step.with_prompt_chunk(seq_id, job.fed, self._chunk_len(job, step)))
