@@ -6,8 +6,12 @@
 #   gemv.log           bench/gpu_gemv.py: GEMV GB/s at the model's shapes, custom kernel, cuBLAS, q4
 #   batches.log        --batches 8,32,64: batched-sequence vs mlx-lm's BatchGenerator, bf16
 #   decode_whole.log   segments (today's capture) vs the whole step as one compiled function, bf16
+#   kinds.log          --batches 8,32,64 on both batched layouts (sequence vs cell) and mlx-lm, bf16
+#   moe.log            bench/moe.py: Qwen3-30B-A3B layer shapes x 4 layers, B=1,8,32 vs mlx-lm (needs
+#                      .gpu/moe30-bf16.pte.gz, written by bench/moe.py --export-only: see its docstring)
 #
 #   bench/gpu_suite.sh      # on the device, from the repository root; .gpu/ from bench/make_gpu_exports.sh
+#   STEPS="kinds moe" bench/gpu_suite.sh    # only the steps named (default: all but kinds and moe)
 #
 # Needs: .whl/ (MLX's CUDA wheel as cuda.part.NN, the mlx and mlx_lm wheels), .gpu/llama1b-bf16.pte.gz
 # and .gpu/llama1b-q4.pte.gz. A step that fails or runs past its time is logged and the next one runs.
@@ -21,8 +25,11 @@ mkdir -p "$OUT"
 PTES=(--pte bf16=.gpu/llama1b-bf16.pte.gz --pte q4=.gpu/llama1b-q4.pte.gz)
 COMMON=(--hf-dir "$HF" --site "$SITE" --work /tmp/gpu_decode)
 
+STEPS=${STEPS:-decode_p128 decode_p2048 profile gemv batches decode_whole}
+
 step() {  # name, seconds, command...
     local name=$1 seconds=$2; shift 2
+    [[ " $STEPS " == *" $name "* ]] || return 0
     echo "== $name: $*" | tee "$OUT/$name.log"
     local t0=$SECONDS
     timeout "$seconds" "$@" >> "$OUT/$name.log" 2>&1
@@ -55,4 +62,8 @@ step batches 90 "$PY" bench/gpu_decode.py --pte bf16=.gpu/llama1b-bf16.pte.gz "$
     --generate 64 --batches 8,32,64
 step decode_whole 75 "$PY" bench/gpu_decode.py --pte bf16=.gpu/llama1b-bf16.pte.gz "${COMMON[@]}" --prompt 128 \
     --generate 128 --rounds 5 --capture on --whole-step --skip mlx-lm --skip hf --skip hf-static
+step kinds 240 "$PY" bench/gpu_decode.py --pte bf16=.gpu/llama1b-bf16.pte.gz "${COMMON[@]}" --prompt 128 \
+    --generate 64 --batches 8,32,64 --kinds batched-sequence,batched-cell
+step moe 300 "$PY" bench/moe.py --shape 30b-a3b --layers 4 --hf-dir /tmp/moe30 --pte .gpu/moe30-bf16.pte.gz \
+    --dtype bfloat16 --site "$SITE" --work /tmp/bench_moe --batches 1,8,32
 grep -h -A3 "median of per-round" "$OUT"/decode_*.log
