@@ -337,8 +337,10 @@ def run_command(parser: argparse.ArgumentParser) -> Handler:
             return run_prompts(args)
         from mlx_pte.interpreter.program import load
 
+        from mlx_pte.serving.parallel.step_channel import watched
+
         group = tensor_parallel.join_group()
-        with tensor_parallel.lost_ranks(group):
+        with tensor_parallel.lost_ranks(group), watched(group):
             args.seed = tensor_parallel.shared_seed(group, args.seed)
             return _run_prompt(args, load(args.model, tokenizer=args.tokenizer, group=group))
 
@@ -461,8 +463,10 @@ def bench_command(parser: argparse.ArgumentParser) -> Handler:
     def run(args: argparse.Namespace) -> int:
         if args.tp is not None and not tensor_parallel.launched():
             return tensor_parallel.launch_local(args.tp, tensor_parallel.without_tp(args.argv))
+        from mlx_pte.serving.parallel.step_channel import watched
+
         group = tensor_parallel.join_group()
-        with tensor_parallel.lost_ranks(group):
+        with tensor_parallel.lost_ranks(group), watched(group):
             return _bench(args, group)
 
     return run

@@ -15,9 +15,14 @@ every channel), reports the rank and exits 1. A follower whose channel closes wi
 rank 0's stop message exits 1 naming rank 0. Both ends beat every ``BEAT_S``, so a
 stopped or hung peer (its connection open) is lost after ``SILENCE_S`` too. A collective that fails raises on the
 ranks still alive (``ranks.lost_ranks``).
+
+``run`` and ``bench`` (every rank runs the whole command) open the same channel only to
+watch each other (``watched``): a collective waiting on a dead peer may never return
+(MLX's queue of pending work blocks the caller), so liveness cannot rest on its error.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -37,6 +42,7 @@ MIRRORED_VERBS = ("seq_new", "seq_rm", "seq_clone", "rewind", "clear")
 # or hung process, whose connection stays open) counts as lost. MLX_PTE_TP_SILENCE_S sets
 # it (seconds), e.g. for a model whose single step may take longer.
 BEAT_S = 1.0
+_FINISHED = b"!"  # a follower's last byte under ``watched``: it ended, it was not lost
 SILENCE_S = float(os.environ.get("MLX_PTE_TP_SILENCE_S", 30.0))
 CONNECT_TIMEOUT_S = 60.0
 # Rank 0 waits this long after a follower is lost, so error responses reach their clients.
@@ -66,6 +72,7 @@ class StepChannel:
         self.conns = conns
         self._lock = threading.Lock()
         self.closing = False  # a channel closed after the stop message is no lost rank
+        self.finished: set[int] = set()  # followers that said they ended (``watched``)
 
     @classmethod
     def accept(cls, group: Any) -> "StepChannel":
@@ -90,6 +97,8 @@ class StepChannel:
         line = (json.dumps(message) + "\n").encode()
         with self._lock:
             for rank, conn in self.conns.items():
+                if rank in self.finished:
+                    continue
                 try:
                     conn.sendall(line)
                 except OSError as exc:
@@ -102,8 +111,12 @@ class StepChannel:
         for rank, conn in self.conns.items():
             def read(rank: int = rank, conn: socket.socket = conn) -> None:
                 try:
-                    while conn.recv(1):
+                    while byte := conn.recv(1):
                         heard[rank] = time.monotonic()
+                        if byte == _FINISHED:
+                            self.finished.add(rank)
+                            heard.pop(rank, None)
+                            return
                 except OSError:
                     pass
                 if not self.closing:
@@ -117,7 +130,7 @@ class StepChannel:
                     self.send({"verb": "beat"})
                 except RankLostError:
                     return  # its reader reports it
-                for rank, when in heard.items():
+                for rank, when in list(heard.items()):
                     if time.monotonic() - when > SILENCE_S and not self.closing:
                         on_lost(rank, f"silent for {SILENCE_S:g} s")
                 time.sleep(BEAT_S)
@@ -183,10 +196,7 @@ def follow(session: Any, group: Any, host: Optional[str] = None) -> int:
     from mlx_pte.runtime.cache import CacheError
 
     rank = group.rank()
-    port = _share_port(group, 0)
-    conn = socket.create_connection((host or _leader_host(), port), timeout=CONNECT_TIMEOUT_S)
-    conn.settimeout(None)
-    conn.sendall(f"{rank}\n".encode())
+    conn = _connect(group, host)
     for message in _messages(conn, rank):
         verb = message["verb"]
         if verb == "stop":
@@ -203,6 +213,15 @@ def follow(session: Any, group: Any, host: Optional[str] = None) -> int:
             raise RankLostError(f"rank {rank}: {verb} gave {result!r}, rank 0's gave {message['result']!r}; "
                                 "the ranks' caches disagree, every rank stops")
     raise RankLostError(f"rank {rank}: rank 0 stopped (its step channel closed); every rank stops")
+
+
+def _connect(group: Any, host: Optional[str]) -> socket.socket:
+    """A follower's end of the step channel, announced with its rank."""
+    port = _share_port(group, 0)
+    conn = socket.create_connection((host or _leader_host(), port), timeout=CONNECT_TIMEOUT_S)
+    conn.settimeout(None)
+    conn.sendall(f"{group.rank()}\n".encode())
+    return conn
 
 
 def _messages(conn: socket.socket, rank: int) -> Iterator[dict]:
@@ -265,3 +284,46 @@ def serve_ranks(group: Any, open_engine: Callable[..., Any], serve: Callable[[An
     finally:
         channel.close()
     return 0
+
+
+def _stop_all(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+    os._exit(1)
+
+
+@contextlib.contextmanager
+def watched(group: Any, host: Optional[str] = None) -> Iterator[None]:
+    """Run the body on every rank of ``group`` while each watches the others: a rank that
+    dies (or is silent for ``SILENCE_S``) makes rank 0, and rank 0's end makes every
+    follower, print an error naming the rank and exit 1 at once, even from inside a
+    collective that will never return. No-op without a group of several ranks."""
+    if group is None or group.size() == 1:
+        yield
+        return
+    rank = group.rank()
+    if rank == 0:
+        channel = StepChannel.accept(group)
+        channel.watch(lambda lost, why: _stop_all(f"error: rank 0: rank {lost} stopped ({why}); every rank stops"))
+        try:
+            yield
+        finally:
+            channel.close()
+        return
+    conn = _connect(group, host)
+    ending = threading.Event()
+
+    def listen() -> None:
+        for message in _messages(conn, rank):
+            if message["verb"] == "stop":
+                return
+        if not ending.is_set():
+            _stop_all(f"error: rank {rank}: rank 0 stopped (its step channel closed); every rank stops")
+
+    threading.Thread(target=listen, name="tp-listen", daemon=True).start()
+    try:
+        yield
+    finally:
+        ending.set()
+        with contextlib.suppress(OSError):
+            conn.sendall(_FINISHED)
+        conn.close()
