@@ -23,7 +23,8 @@ PROMPT = "The quick brown fox jumps over the lazy dog, again and again."
 PROMPT_LEN = 12
 NEW_TOKENS = 24
 # "llama+bias": q/k/v and gate/up/down with biases (as Qwen2's q/k/v have).
-MODELS = ("llama", "llama+bias", "qwen3", "gemma3n")
+# gemma3n's export alone takes ~30 s here: its cases run in the slow tier.
+MODELS = ("llama", "llama+bias", "qwen3", pytest.param("gemma3n", marks=pytest.mark.slow))
 
 
 @pytest.fixture(scope="module")
