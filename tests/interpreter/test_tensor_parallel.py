@@ -148,8 +148,8 @@ def test_run_prompts_with_tp_prints_the_single_process_replies(tmp_path, tmp_pat
     assert replies(two.stdout) == replies(one.stdout) and len(replies(one.stdout)) == 6
 
 
-# The follower: the real command line, with a forward that kills its own process on the 6th step.
-_DYING_FOLLOWER = textwrap.dedent("""
+# A rank running the real command line, with a forward that kills its own process on the 6th step.
+_DYING_RANK = textwrap.dedent("""
     import os, signal, sys
     from mlx_pte.interpreter.session import Session
     forward, calls = Session.forward, []
@@ -168,9 +168,24 @@ def test_a_killed_follower_stops_rank_0_with_an_error_naming_it(tmp_path, tmp_pa
     path = str(exported_pte(tmp_path_factory, tiny_checkpoint, "llama"))
     args = ["run", path, "--prompt", "def f(x):", "--max-new-tokens", "200"]
     started = time.monotonic()
-    leader, follower = _two_ranks(tmp_path, [_cli(*args), [sys.executable, "-c", _DYING_FOLLOWER, *args]],
+    leader, follower = _two_ranks(tmp_path, [_cli(*args), [sys.executable, "-c", _DYING_RANK, *args]],
                                   timeout=START_S + STOP_BOUND_S)
     assert follower.returncode == -9
     assert leader.returncode == 1, leader.stderr
     assert "error: rank 0: rank 1 stopped" in leader.stderr
+    assert time.monotonic() - started < START_S + STOP_BOUND_S
+
+
+@pytest.mark.parametrize("command", ["run", "bench"])
+def test_a_killed_rank_0_stops_its_follower_with_an_error_naming_it(tmp_path, tmp_path_factory, tiny_checkpoint,
+                                                                     command):
+    path = str(exported_pte(tmp_path_factory, tiny_checkpoint, "llama"))
+    args = ([command, path, "--prompt", "def f(x):", "--max-new-tokens", "200"] if command == "run"
+            else [command, path, "--prompt-tokens", "8", "--generate", "100", "--repeats", "3"])
+    started = time.monotonic()
+    leader, follower = _two_ranks(tmp_path, [[sys.executable, "-c", _DYING_RANK, *args], _cli(*args)],
+                                  timeout=START_S + STOP_BOUND_S)
+    assert leader.returncode == -9
+    assert follower.returncode == 1, follower.stderr
+    assert "error: rank 1: rank 0 stopped" in follower.stderr
     assert time.monotonic() - started < START_S + STOP_BOUND_S
