@@ -130,6 +130,7 @@ def test_a_checkpoint_missing_a_weight_is_refused_before_anything_is_written(tmp
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
 
 
+@pytest.mark.slow  # ~16 s: a 135M-shaped export in a child process
 def test_export_peak_memory_is_bounded_by_the_largest_tensor_not_the_model(tmp_path):
     """A SmolLM2-135M-shaped bf16 checkpoint (4 of its 30 layers: 85 MB of weights, the
     embedding 57 MB of them), exported in a child whose resident set is polled from outside.

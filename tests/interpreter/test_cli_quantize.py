@@ -78,6 +78,7 @@ def test_a_bad_quantization_option_is_one_error_line_and_writes_nothing(tiny_che
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow  # ~15 s: exports a checkpoint of its own
 def test_weights_kept_at_full_precision_are_listed_after_export(tiny_checkpoint, tmp_path, capsys):
     """gemma3n's LAuReL and per-layer-input projections read 8 features: no group of 32 fits."""
     out = tmp_path / "g.pte"

@@ -22,6 +22,9 @@ PROMPT = "The for statement"
 NEW_TOKENS = 8
 
 
+# ~40 s in all, most of it exporting upstream's files once: the slow tier runs this module.
+pytestmark = pytest.mark.slow
+
 @pytest.fixture(scope="module")
 def files(upstream_pte, tiny_checkpoint):
     return upstream_pte("gemma3", "fp32"), tiny_checkpoint("gemma3")
