@@ -434,8 +434,12 @@ def _cat(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx.array:
 @handles("split")
 def _split(args: Args, attrs: dict[str, Any], ctx: RunContext) -> tuple[mx.array, ...]:
     (x,) = args
+    sizes, length = attrs["sizes"], x.shape[attrs["dim"]]
+    # MLX aborts the process on split points past int32, so pieces are checked first.
+    if any(size < 0 for size in sizes) or sum(sizes) != length:
+        raise ValueError(f"split sizes {list(sizes)} must be >= 0 and sum to the axis' {length}")
     bounds, total = [], 0
-    for size in attrs["sizes"][:-1]:
+    for size in sizes[:-1]:
         total += size
         bounds.append(total)
     return tuple(mx.split(x, bounds, axis=attrs["dim"]))
