@@ -303,7 +303,12 @@ _GLU = {name: _glu_with(act) for name, act in _GLU_ACTIVATIONS.items()}
 
 @handles("glu")
 def _glu(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx.array:
-    return _GLU[attrs["activation"]](*args)
+    if len(args) > 1 and args[1] is not None:
+        gate, up = args
+    else:  # a fused gate/up projection: gate first, up last, padding between
+        width = attrs["width"]
+        gate, up = args[0][..., :width], args[0][..., -width:]
+    return _GLU[attrs["activation"]](gate, up)
 
 # -- linear algebra and indexing -------------------------------------------------------
 HANDLERS["matmul"] = _on_operands(mx.matmul)
@@ -353,6 +358,22 @@ def _permute(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx.array:
 @handles("view_permute")
 def _view_permute(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx.array:
     return mx.transpose(args[0].reshape(attrs["shape"]), attrs["dims"])
+
+
+@handles("split_heads")
+def _split_heads(args: Args, attrs: dict[str, Any], ctx: RunContext) -> tuple[mx.array, ...]:
+    (x,) = args
+    heads, dim = attrs["heads"], attrs["head_dim"]
+    batch, tokens, width = x.shape
+    if sum(heads) * dim != width:
+        raise ValueError(f"heads {list(heads)} of {dim} do not tile the last axis of {width}")
+    # One reshape and one transpose for every part, then one split: the parts are views.
+    grouped = mx.transpose(x.reshape(batch, tokens, width // dim, dim), (0, 2, 1, 3))
+    bounds, total = [], 0
+    for count in heads[:-1]:
+        total += count
+        bounds.append(total)
+    return tuple(mx.split(grouped, bounds, axis=1))
 
 
 @handles("permute_view")

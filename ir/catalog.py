@@ -112,7 +112,14 @@ class OpSpec:
             if shapes.typed:
                 _check_rule(where, spec, given[spec.name], shapes)
         if self.check is not None:
-            self.check(instr, graph)
+            try:
+                self.check(instr, graph)
+            except FormatError as exc:
+                # The op's own checks name the op; the graph's index is only known here.
+                message, unnamed = str(exc), f"instruction {self.name!r}"
+                if index is None or not message.startswith(unnamed):
+                    raise
+                raise FormatError(where + message[len(unnamed):]) from None
 
 
 def _is_int(v: object) -> bool:
@@ -411,13 +418,29 @@ define(
         "over both halves, cos/sin rounded to x's dtype (HF's default rotary embedding)",
     )
 )
+def _check_glu_halves(instr: Instruction, graph: Graph) -> None:
+    """``width`` is given exactly when ``up`` is left out, and fits twice in gate's last axis."""
+    fused = len(instr.inputs) < 2 or instr.inputs[1] is None
+    width = instr.attr("width")
+    if fused != (width is not None):
+        raise FormatError("instruction 'glu': attribute 'width' belongs with a fused gate/up operand (up left "
+                          "out), and only there")
+    t = graph.slots[instr.inputs[0]].type  # type: ignore[index]
+    total = t.shape[-1] if isinstance(t, TensorType) and t.shape else None
+    if fused and (not _is_int(width) or width < 1 or (_is_int(total) and 2 * width > total)):
+        raise FormatError(f"instruction 'glu': width {width} must be >= 1 and fit twice in the fused operand's "
+                          f"last axis of {total}")
+
+
 define(
     OpSpec(
         "glu",
-        ("gate", "up"),
-        (AttrSpec("activation", "str", choices=("silu", "gelu", "gelu_tanh")),),
+        ("gate", "up?"),
+        _attrs(("activation", "str", True, None, ("silu", "gelu", "gelu_tanh")), ("width", "int", False)),
         output_rule="like gate: act(gate) * up, act computed in fp32 and rounded to gate's dtype (as torch "
-        "does); activation 'silu' (SwiGLU), 'gelu' or 'gelu_tanh' (GeGLU)",
+        "does); activation 'silu' (SwiGLU), 'gelu' or 'gelu_tanh' (GeGLU). With up left out, gate is a fused "
+        "gate/up projection: its first `width` columns are the gate, its last `width` the up (padding between)",
+        check=_check_glu_halves,
     )
 )
 
@@ -458,6 +481,41 @@ define(
         ("x",),
         _attrs(("shape", "ints_or_refs", True, "split_heads_shape"), ("dims", "ints", True, "result_permutation")),
         output_rule="permute(view(x, shape), dims) (a head split)",
+    )
+)
+def _check_split_heads(instr: Instruction, graph: Graph) -> None:
+    """The head groups tile x's last axis exactly: sum(heads) * head_dim == its width."""
+    heads, dim = instr.attr("heads"), instr.attr("head_dim")
+    assert isinstance(heads, tuple) and _is_int(dim)
+    if dim < 1 or any(not _is_int(h) or h < 1 for h in heads) or len(heads) != len(instr.outputs):
+        raise FormatError(f"instruction 'split_heads': head_dim must be >= 1 and heads one count >= 1 per result, "
+                          f"got head_dim {dim}, heads {list(heads)} for {len(instr.outputs)} results")
+    t = graph.slots[instr.inputs[0]].type  # type: ignore[index]
+    if not isinstance(t, TensorType) or t.shape is None:
+        return
+    if len(t.shape) != 3:
+        raise FormatError(f"instruction 'split_heads': x must be [B, T, W], got rank {len(t.shape)}")
+    if _is_int(t.shape[-1]) and sum(heads) * dim != t.shape[-1]:
+        raise FormatError(f"instruction 'split_heads': heads {list(heads)} of {dim} do not tile x's last axis "
+                          f"of {t.shape[-1]}")
+    for count, slot in zip(heads, instr.outputs):
+        r = graph.slots[slot].type
+        if isinstance(r, TensorType) and r.shape is not None and (len(r.shape) != 4 or r.shape[1] != count
+                                                                  or r.shape[3] != dim):  # fmt: skip
+            raise FormatError(f"instruction 'split_heads': result slot {slot} must be [B, {count}, T, {dim}], "
+                              f"the payload gives {list(r.shape)}")
+
+
+define(
+    OpSpec(
+        "split_heads",
+        ("x",),
+        _attrs(("head_dim", "int"), ("heads", "ints")),
+        n_outputs=None,
+        output_rule="x [B, T, W] viewed as [B, T, W / head_dim, head_dim], heads moved ahead of tokens, and cut "
+        "into consecutive groups of heads[i] heads: one result [B, heads[i], T, head_dim] each (the head split "
+        "of a fused q/k/v projection)",
+        check=_check_split_heads,
     )
 )
 define(

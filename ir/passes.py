@@ -10,6 +10,10 @@
   tables and the same view of the positions in every layer);
 - **layout pairs**: a view read only by a permute (a head split) or a permute read only by
   a view (a head merge) become one ``view_permute`` / ``permute_view``;
+- **fused-projection splits**: a ``split`` of a fused q/k/v projection whose parts are
+  each head-split by a ``view_permute`` (or unread: padding) becomes one ``split_heads``
+  (one reshape and transpose for all parts), and a ``split`` of a fused gate/up projection
+  into gate, padding and up, read only by a ``glu``, folds into that ``glu``;
 - **dead code**: instructions whose results nothing reads (the KV-cache op always runs);
 - **compaction**: slots nothing refers to any more are dropped and the rest renumbered.
 
@@ -37,10 +41,11 @@ Constants = dict[int, np.ndarray]
 def simplify(graph: Graph, constants: Mapping[int, np.ndarray]) -> tuple[Graph, Constants]:
     """``graph`` with the rewrites above applied, and its constants renumbered to match
     (``graph`` itself is not changed)."""
-    graph = replace(graph, outputs=list(graph.outputs))
+    graph = replace(graph, outputs=list(graph.outputs), slots=list(graph.slots))
     instructions = _fold_aliases(graph, graph.instructions)
     instructions = _merge_common(graph, instructions)
     instructions = _fuse_layout_pairs(graph, instructions)
+    instructions = _fuse_projection_splits(graph, instructions)
     instructions = _drop_dead(graph, instructions)
     return compact(replace(graph, instructions=instructions), constants)
 
@@ -198,6 +203,99 @@ def _fuse_layout_pairs(graph: Graph, instructions: list[Instruction]) -> list[In
         fused_away.add(id(first))
         out.append(fused)
     return [instr for instr in out if id(instr) not in fused_away]
+
+
+# -- fused-projection splits ----------------------------------------------------------
+def _fuse_projection_splits(graph: Graph, instructions: list[Instruction]) -> list[Instruction]:
+    readers: dict[int, list[Instruction]] = {}
+    for instr in instructions:
+        for s in _reads(instr):
+            readers.setdefault(s, []).append(instr)
+    replaced: dict[int, Optional[Instruction]] = {}  # id of an instruction -> its replacement (None: gone)
+    for instr in instructions:
+        if instr.op != "split" or any(s in graph.outputs for s in instr.outputs):
+            continue
+        rewrite = _head_split(graph, instr, readers) or _glu_halves(graph, instr, readers)
+        if rewrite is not None:
+            fused, absorbed = rewrite
+            replaced[id(instr)] = fused
+            replaced.update((id(r), None) for r in absorbed)
+    out = []
+    for instr in instructions:
+        new = replaced.get(id(instr), instr)
+        if new is not None:
+            out.append(new)
+    return out
+
+
+def _last_axis_parts(graph: Graph, split: Instruction) -> Optional[tuple[TensorType, tuple[int, ...]]]:
+    """A split's operand type and static sizes, when it cuts the last axis of a rank-3 tensor."""
+    t = _tensor(graph, split.inputs[0])  # type: ignore[arg-type]
+    sizes = split.attr("sizes")
+    if t is None or t.shape is None or len(t.shape) != 3 or split.attr("dim") not in (2, -1):
+        return None
+    if not isinstance(sizes, tuple) or not all(isinstance(n, int) for n in sizes):
+        return None
+    return t, sizes  # type: ignore[return-value]
+
+
+def _head_split(graph: Graph, split: Instruction, readers: dict[int, list[Instruction]]
+                ) -> Optional[tuple[Instruction, list[Instruction]]]:
+    """split → view_permute per part (unread parts: padding) as one ``split_heads``."""
+    found = _last_axis_parts(graph, split)
+    if found is None:
+        return None
+    t, sizes = found
+    heads: list[Instruction] = []
+    outputs: list[int] = []
+    dim: Optional[int] = None
+    for part, size in zip(split.outputs, sizes):
+        read = readers.get(part, [])
+        if not read:
+            outputs.append(part)  # padding: retyped below once the head size is known
+            continue
+        reader = read[0]
+        shape = reader.attr("shape")
+        if len(read) != 1 or reader.op != "view_permute" or reader.attr("dims") != (0, 2, 1, 3) \
+                or not isinstance(shape, tuple) or len(shape) != 4 or not isinstance(shape[3], int):
+            return None
+        if dim is not None and shape[3] != dim:
+            return None
+        dim = shape[3]
+        result = _tensor(graph, reader.outputs[0])
+        if dim < 1 or size % dim or result is None or result.shape != (t.shape[0], size // dim, t.shape[1], dim):  # type: ignore[index]
+            return None
+        heads.append(reader)
+        outputs.append(reader.outputs[0])
+    if dim is None or any(size % dim for size in sizes):
+        return None
+    for part, size in zip(split.outputs, sizes):
+        if not readers.get(part):
+            head_type = TensorType(t.dtype, (t.shape[0], size // dim, t.shape[1], dim))  # type: ignore[index]
+            graph.slots[part] = replace(graph.slots[part], type=head_type)
+    fused = Instruction("split_heads", split.inputs, tuple(outputs),
+                        (("head_dim", dim), ("heads", tuple(size // dim for size in sizes))))
+    lookup("split_heads").validate(fused, graph)
+    return fused, heads
+
+
+def _glu_halves(graph: Graph, split: Instruction, readers: dict[int, list[Instruction]]
+                ) -> Optional[tuple[Instruction, list[Instruction]]]:
+    """split into (gate, padding?, up) of equal gate and up widths, read only by one glu as
+    (gate, up) → that glu on the whole, with the width."""
+    found = _last_axis_parts(graph, split)
+    if found is None or len(found[1]) not in (2, 3) or found[1][0] != found[1][-1]:
+        return None
+    gate, up = split.outputs[0], split.outputs[-1]
+    read_gate, read_up = readers.get(gate, []), readers.get(up, [])
+    if len(read_gate) != 1 or read_up != read_gate or (len(split.outputs) == 3 and readers.get(split.outputs[1])):
+        return None
+    glu = read_gate[0]
+    if glu.op != "glu" or tuple(glu.inputs[:2]) != (gate, up):
+        return None
+    fused = replace(glu, inputs=split.inputs, attrs=(*glu.attrs, ("width", found[1][0])))
+    lookup("glu").validate(fused, graph)
+    return fused, [glu]
 
 
 def _readers(graph: Graph, instructions: list[Instruction]) -> dict[int, int]:

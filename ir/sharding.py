@@ -215,9 +215,7 @@ class _Rewrite:
         features = self._features(instr)
         readers = self.readers.get(out, [])
         split = self.graph.instructions[readers[0]] if len(readers) == 1 else None
-        parts: tuple[int, ...] = (features,)
-        if split is not None and split.op == "split" and all(isinstance(s, int) for s in split.attr("sizes")):  # type: ignore[union-attr]
-            parts = tuple(split.attr("sizes"))  # type: ignore[arg-type]
+        parts = _fused_parts(split, features) if split is not None else (features,)
         where = self._where(index, instr)
         if any(p % self.size for p in parts):
             raise ShardingError(f"{where}: {self.size} ranks do not divide its output features {list(parts)}")
@@ -264,6 +262,17 @@ class _Rewrite:
             if not all(isinstance(s, int) and s % self.size == 0 for s in sizes):
                 raise ShardingError(f"{where} splits a rank-local value into sizes {list(sizes)} that {self.size} ranks do not divide")
             instr = replace(instr, attrs=tuple((k, tuple(s // self.size for s in sizes) if k == "sizes" else v)  # type: ignore[operator]
+                                               for k, v in instr.attrs))
+        elif instr.op == "split_heads":
+            heads = instr.attr("heads")
+            assert isinstance(heads, tuple)
+            if any(h % self.size for h in heads):
+                raise ShardingError(f"{where} splits a rank-local value into head groups {list(heads)} that "
+                                    f"{self.size} ranks do not divide")
+            instr = replace(instr, attrs=tuple((k, tuple(h // self.size for h in heads) if k == "heads" else v)  # type: ignore[operator]
+                                               for k, v in instr.attrs))
+        elif instr.op == "glu" and instr.attr("width") is not None:
+            instr = replace(instr, attrs=tuple((k, v // self.size if k == "width" else v)  # type: ignore[operator]
                                                for k, v in instr.attrs))
         elif instr.op in _HEAD_RESHAPES and -1 not in (instr.attr("shape") or ()):  # type: ignore[operator]
             raise ShardingError(
@@ -320,3 +329,17 @@ class _Rewrite:
     def _new_slot(self, slot: Slot) -> int:
         self.slots.append(slot)
         return len(self.slots) - 1
+
+
+def _fused_parts(reader: Instruction, features: int) -> tuple[int, ...]:
+    """The parts of a linear's ``features`` outputs its one reader cuts apart (a fused
+    projection's), each of which every rank keeps a share of; one part when it cuts none."""
+    if reader.op == "split" and all(isinstance(s, int) for s in reader.attr("sizes")):  # type: ignore[union-attr]
+        return tuple(reader.attr("sizes"))  # type: ignore[arg-type]
+    if reader.op == "split_heads":
+        dim = reader.attr("head_dim")
+        return tuple(h * dim for h in reader.attr("heads"))  # type: ignore[union-attr, operator]
+    width = reader.attr("width") if reader.op == "glu" else None
+    if isinstance(width, int):
+        return tuple(p for p in (width, features - 2 * width, width) if p)
+    return (features,)

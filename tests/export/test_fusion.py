@@ -173,12 +173,13 @@ HF_CASES: dict[str, tuple] = {
     # A scaled table is not the default rotary embedding: the gathered-table op instead.
     "rotary_scaled": (lambda: hf_blocks.Rotary(attention_scaling=0.5), _qk, QK_DYNAMIC, {"rope_half": 2, "cos": 1},
                       {"rope"}),  # fmt: skip
-    # gate and up are fused into one projection at export, split before the glu.
-    "swiglu": (hf_blocks.GatedMLP, _hidden, HIDDEN_DYNAMIC, {"glu": 1, "linear": 2, "split": 1}, {"silu", "mul"}),
+    # gate and up are fused into one projection at export, which the glu reads whole.
+    "swiglu": (hf_blocks.GatedMLP, _hidden, HIDDEN_DYNAMIC, {"glu": 1, "linear": 2}, {"silu", "mul", "split"}),
     "geglu": (lambda: hf_blocks.GatedMLP("gelu_pytorch_tanh"), _hidden, HIDDEN_DYNAMIC, {"glu": 1}, {"gelu", "mul"}),
     "block": (hf_blocks.Block, lambda t, d: (*_hidden(t, d), _positions(t)), ({1: _T}, {0: _T}),
-              {"rms_norm": 1, "rope": 2, "view_permute": 2, "permute_view": 1, "glu": 1},
-              _NORM_OPS | {"view", "permute", "cos", "neg"}),  # fmt: skip
+              # q/k/v fused at export: one split_heads for the three head splits.
+              {"rms_norm": 1, "rope": 2, "split_heads": 1, "permute_view": 1, "glu": 1},
+              _NORM_OPS | {"view", "permute", "view_permute", "split", "cos", "neg"}),  # fmt: skip
 }
 # Near misses: each breaks one precondition and must lower op by op.
 NEAR_MISSES = {

@@ -19,7 +19,7 @@ from mlx_pte.ir.layers import layer_counts
 
 MAX_STEP = 16
 DTYPES = ("float32", "bfloat16", "float16")
-LAYER_BUDGET = 20
+LAYER_BUDGET = 14
 # Ops that only appear when an RMSNorm or rotary chain was left decomposed.
 DECOMPOSED = {"pow", "rsqrt", "mean", "neg", "cat", "cos", "sin", "rope_half"}
 

@@ -128,7 +128,7 @@ class Layout(nn.Module):
             y.permute(2, 0, 1), y.transpose(0, 2), x[:, 1:7:2], x[-2:], x[:, -3], y[1], y.unsqueeze(1), y.unsqueeze(-1),
             y[:, :1].squeeze(1), x.view(t, 1, 8, 1).squeeze(), x.unsqueeze(0).expand(3, -1, -1),
             x[:, :1].expand(t, 5), torch.cat([x, x * 2], 1), torch.cat([x, x.to(torch.float16)], 0), a, b, c, p + q,
-            x.reshape(t * 8), x.t(),
+            x.reshape(t * 8), x.t(), x.view(1, t, 2, 4).transpose(1, 2) * 1.5,
         )  # fmt: skip
 
 
@@ -237,7 +237,7 @@ CASES: dict[str, Case] = {
         (3, 1, 7),
         _dynamic(0, 0),
     ),
-    # HF's layers: the fused rms_norm, rope, glu, view_permute and permute_view (test_fusion.py
+    # HF's layers: the fused rms_norm, rope, glu (on the fused gate/up), split_heads (of the fused q/k/v) and permute_view (test_fusion.py
     # covers each in every dtype).
     "hf_block": Case(
         hf_blocks.Block,

@@ -119,10 +119,12 @@ def edit_attr(base, op: str, name: str, value):
 # The ops of a fused llama graph (lowering folds its unsqueezes, casts and plain views).
 @pytest.mark.parametrize("op, name, value, says", [
     ("rope", "seq_axis", 115, "attribute 'seq_axis' = 115 must be 1"),
-    ("view_permute", "dims", (0, 1441794, 1, 3), "is not a permutation"),
+    ("split_heads", "heads", (4, 4, 2, 6, 3), "do not tile"),
+    ("split_heads", "head_dim", 0, "head_dim must be >= 1"),
+    ("split_heads", "heads", (5, 3, 2, 6, 2), r"must be \[B, 5, T, 16\]"),
     ("permute_view", "dims", (0, 2, 2, 3), "is not a permutation"),
     ("rms_norm", "eps", "tiny", "attribute .eps."),
-    ("view_permute", "shape", (1, -1, -1, 16), "more than one -1"),
+    ("glu", "width", 10**6, "must be >= 1 and fit twice"),
     ("permute_view", "shape", (1, -1, -1), "more than one -1"),
     ("glu", "activation", "relu6", "must be one of"),
     ("update_and_attend", "cache_id", 9, "names no cache layer"),
