@@ -74,12 +74,14 @@ def make_checkpoint(out: Path, shape: str, layers: int) -> Path:
     return out
 
 
-def export_gz(model_dir: Path, out: Path, dtype: str, max_step: int) -> Path:
-    """Export ``model_dir`` to ``out`` (gzip-compressed when it ends in .gz)."""
+def export_gz(model_dir: Path, out: Path, dtype: str) -> Path:
+    """Export ``model_dir`` to ``out`` (gzip-compressed when it ends in .gz) with the exporter's
+    default step bound, as users export: a bound near the prompt length would cap the
+    engine's step budget there and turn batched runs into one prompt per mixed step."""
     from mlx_pte.export.hf_export import export_hf
 
     plain = out.with_suffix("") if out.suffix == ".gz" else out
-    export_hf(model_dir, plain, dtype=dtype, max_step=max_step, progress=False)
+    export_hf(model_dir, plain, dtype=dtype, progress=False)
     if plain != out:
         with open(plain, "rb") as src, gzip.open(out, "wb", compresslevel=6) as dst:
             shutil.copyfileobj(src, dst, 1 << 24)
@@ -153,7 +155,7 @@ def main() -> None:
     model_dir = make_checkpoint(args.hf_dir, args.shape, args.layers)  # imports torch before MLX
     pte = args.pte
     if pte is None or args.export_only:
-        pte = export_gz(model_dir, pte or args.work / "model.pte", args.dtype, max_step=max(args.prompt, 64))
+        pte = export_gz(model_dir, pte or args.work / "model.pte", args.dtype)
         if args.export_only:
             print(f"wrote {pte}")
             return
