@@ -112,11 +112,15 @@ def test_model_matches_hf_with_eager_experts_and_attention(tiny_checkpoint, prog
     np.testing.assert_allclose(np.array(got), want, atol=1e-4, rtol=0)
 
 
-def test_top_k_beyond_the_expert_count_is_one_export_error(tiny_checkpoint, tmp_path):
+@pytest.mark.parametrize(("edit", "says"), [
+    (dict(num_experts_per_tok=5), "num_experts_per_tok=5 experts of 4"),
+    (dict(num_local_experts=3), "config.json and the weights disagree"),
+])  # fmt: skip
+def test_an_expert_config_unlike_the_weights_is_one_export_error(tiny_checkpoint, tmp_path, edit, says):
     path = tmp_path / "ckpt"
     shutil.copytree(tiny_checkpoint("gpt_oss"), path)
-    _edit_config(path, num_experts_per_tok=5)
-    with pytest.raises(CheckpointError, match="num_experts_per_tok=5 experts of 4"):
+    _edit_config(path, **edit)
+    with pytest.raises(CheckpointError, match=says):
         export_hf(path, tmp_path / "m.pte", max_step=16, progress=False)
     assert not (tmp_path / "m.pte").exists()
 
@@ -189,15 +193,6 @@ def test_catalog_accepts_attention_with_or_without_sinks(sinks_shape):
 def test_catalog_refuses_sinks_not_one_per_query_head(sinks_shape):
     with pytest.raises(FormatError, match=r"sinks must be \[Hq\]"):
         lookup("update_and_attend").validate(*_attend_instr(sinks_shape))
-
-
-def test_expert_count_unlike_the_weights_is_one_export_error(tiny_checkpoint, tmp_path):
-    path = tmp_path / "ckpt"
-    shutil.copytree(tiny_checkpoint("gpt_oss"), path)
-    _edit_config(path, num_local_experts=3)
-    with pytest.raises(CheckpointError, match="config.json and the weights disagree"):
-        export_hf(path, tmp_path / "m.pte", max_step=16, progress=False)
-    assert not (tmp_path / "m.pte").exists()
 
 
 def _mxfp4_checkpoint(dense: Path, out: Path) -> Path:
