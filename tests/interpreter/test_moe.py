@@ -38,17 +38,23 @@ def _hf_experts(activation: str = "silu") -> Qwen3MoeExperts:
     return module
 
 
-@pytest.mark.parametrize("tokens", [1, 5, SORT_FROM_PAIRS])  # the last is past the sorting threshold
-@pytest.mark.parametrize("activation", ["silu", "gelu_pytorch_tanh"])
-def test_experts_match_hf_experts(tokens: int, activation: str):
-    module = _hf_experts(activation)
+def _routed_case(module: Qwen3MoeExperts, tokens: int) -> tuple[list[torch.Tensor], np.ndarray]:
+    """Seeded routing inputs (x, two distinct experts per token, their weights) with the
+    module's weights appended, as the experts op takes them, and HF's output for them."""
     gen = torch.Generator().manual_seed(tokens)
     x = torch.randn(tokens, HIDDEN, generator=gen)
     indices = torch.stack([torch.randperm(EXPERTS, generator=gen)[:2] for _ in range(tokens)])
     weights = torch.rand(tokens, 2, generator=gen)
     with torch.no_grad():
         want = module(x, indices, weights).numpy()
-    args = [mx.array(a.numpy()) for a in (x, indices, weights, module.gate_up_proj.detach(), module.down_proj.detach())]
+    return [x, indices, weights, module.gate_up_proj.detach(), module.down_proj.detach()], want
+
+
+@pytest.mark.parametrize("tokens", [1, 5, SORT_FROM_PAIRS])  # the last is past the sorting threshold
+@pytest.mark.parametrize("activation", ["silu", "gelu_pytorch_tanh"])
+def test_experts_match_hf_experts(tokens: int, activation: str):
+    inputs, want = _routed_case(_hf_experts(activation), tokens)
+    args = [mx.array(a.numpy()) for a in inputs]
     got = HANDLERS["experts"](args, {"activation": activation}, RunContext())
     np.testing.assert_allclose(np.array(got), want, atol=1e-5, rtol=0)
 
@@ -112,23 +118,17 @@ def _edit_config(path, **fields) -> None:
     (path / "config.json").write_text(json.dumps(config))
 
 
-def test_top_k_beyond_the_expert_count_is_one_export_error(tiny_checkpoint, tmp_path):
+@pytest.mark.parametrize(("edit", "says"), [
+    (dict(num_experts_per_tok=9), "num_experts_per_tok=9"),  # top-k beyond the expert count
+    (dict(num_local_experts=6), "do not load"),  # an expert count unlike the weights
+])  # fmt: skip
+def test_an_expert_config_unlike_the_weights_is_one_export_error(tiny_checkpoint, tmp_path, edit, says):
     import shutil
 
     path = tmp_path / "ckpt"
     shutil.copytree(tiny_checkpoint("qwen3_moe"), path)
-    _edit_config(path, num_experts_per_tok=9)
-    with pytest.raises(CheckpointError, match="num_experts_per_tok=9"):
-        load_model(load_checkpoint(path), "float32", "mlx_pte")
-
-
-def test_expert_count_unlike_the_weights_is_one_export_error(tiny_checkpoint, tmp_path):
-    import shutil
-
-    path = tmp_path / "ckpt"
-    shutil.copytree(tiny_checkpoint("qwen3_moe"), path)
-    _edit_config(path, num_local_experts=6)
-    with pytest.raises(CheckpointError, match="do not load.*"):
+    _edit_config(path, **edit)
+    with pytest.raises(CheckpointError, match=says):
         load_model(load_checkpoint(path), "float32", "mlx_pte")
 
 
@@ -174,15 +174,9 @@ def test_group_size_dividing_one_experts_width_is_one_export_error(tiny_checkpoi
 def test_bfloat16_experts_run_on_the_cpu_within_bfloat16_rounding_of_hf(tokens: int):
     """MLX's CPU gather_mm takes float32 only; half-precision experts compute in float32 there
     (on a GPU the kernel takes bfloat16 itself)."""
-    module = _hf_experts()
-    gen = torch.Generator().manual_seed(tokens)
-    x = torch.randn(tokens, HIDDEN, generator=gen)
-    indices = torch.stack([torch.randperm(EXPERTS, generator=gen)[:2] for _ in range(tokens)])
-    weights = torch.rand(tokens, 2, generator=gen)
-    with torch.no_grad():
-        want = module(x, indices, weights).numpy()
+    inputs, want = _routed_case(_hf_experts(), tokens)
     as_bf16 = [mx.array(a.numpy()).astype(mx.bfloat16) if a.is_floating_point() else mx.array(a.numpy())
-               for a in (x, indices, weights, module.gate_up_proj.detach(), module.down_proj.detach())]  # fmt: skip
+               for a in inputs]  # fmt: skip
     got = HANDLERS["experts"](as_bf16, {"activation": "silu"}, RunContext())
     assert got.dtype == mx.bfloat16
     np.testing.assert_allclose(np.array(got.astype(mx.float32)), want, atol=0.05 * np.abs(want).max(), rtol=0)
