@@ -20,8 +20,6 @@ import torch
 
 from .hf_errors import CheckpointError
 
-# The activation name ``llm::experts`` gives the clamped SwiGLU.
-CLAMPED_SWIGLU = "clamped_swiglu"
 
 
 @dataclass(frozen=True)

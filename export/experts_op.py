@@ -13,12 +13,15 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .experts_layout import CLAMPED_SWIGLU, clamped_swiglu
+from mlx_pte.ir.catalog_moe import CLAMPED_SWIGLU, EXPERT_ACTIVATIONS
+
+from .experts_layout import clamped_swiglu
 
 OP_NAME = "llm::experts"
 
-# The gated activations ``act(gate) * up`` an expert may use (HF's ``hidden_act`` names).
-ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh")
+# The catalog's activations that HF names by ``hidden_act`` (the clamped SwiGLU is gpt-oss's
+# own gate, recognised by its module, not by a config name).
+ACTIVATIONS = tuple(a for a in EXPERT_ACTIVATIONS if a != CLAMPED_SWIGLU)
 
 
 def _gated(gate: torch.Tensor, up: torch.Tensor, activation: str, alpha: float, limit: float) -> torch.Tensor:

@@ -11,8 +11,10 @@ from __future__ import annotations
 import torch
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, _default_apply_gate
 
+from mlx_pte.ir.catalog_moe import CLAMPED_SWIGLU
+
 from . import experts_op  # noqa: F401  (registers torch.ops.llm.experts)
-from .experts_layout import CLAMPED_SWIGLU, converted
+from .experts_layout import converted
 from .experts_op import ACTIVATIONS
 from .hf_errors import CheckpointError
 

@@ -7,9 +7,10 @@ from typing import Optional
 import torch
 from torch.fx import Node
 
+from mlx_pte.ir.catalog_moe import CLAMPED_SWIGLU
+
 from . import experts_op  # noqa: F401  (defines torch.ops.llm.experts)
 from .errors import ExportError
-from .experts_layout import CLAMPED_SWIGLU
 from .graph_builder import Builder, node_args, norm_dim, rank_of, value_of
 from .op_lowerings import _register
 
