@@ -456,9 +456,12 @@ def _cat(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx.array:
 def _split(args: Args, attrs: dict[str, Any], ctx: RunContext) -> tuple[mx.array, ...]:
     (x,) = args
     sizes, length = attrs["sizes"], x.shape[attrs["dim"]]
-    # MLX aborts the process on split points past int32, so pieces are checked first.
-    if any(size < 0 for size in sizes) or sum(sizes) != length:
-        raise ValueError(f"split sizes {list(sizes)} must be >= 0 and sum to the axis' {length}")
+    # MLX aborts the process on split points past int32, so pieces are checked first. The
+    # last piece holds what remains and may be declared larger: upstream writes a uniform
+    # torch.split as equal sizes (10 by 3: [3, 3, 3, 3], pieces 3, 3, 3, 1).
+    if any(size < 0 for size in sizes) or not sum(sizes[:-1]) <= length <= sum(sizes):
+        raise ValueError(f"split sizes {list(sizes)} must be >= 0 and cover the axis' {length} "
+                         "(all but the last within it)")
     bounds, total = [], 0
     for size in sizes[:-1]:
         total += size
