@@ -21,7 +21,6 @@ import torch
 from .hf_errors import CheckpointError
 
 
-
 @dataclass(frozen=True)
 class Conversion:
     """One parameter's conversion: its new shape and the function that computes it."""

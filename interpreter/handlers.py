@@ -13,6 +13,7 @@ import math
 import operator
 from dataclasses import dataclass
 from functools import partial
+from itertools import accumulate
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -462,11 +463,7 @@ def _split(args: Args, attrs: dict[str, Any], ctx: RunContext) -> tuple[mx.array
     if any(size < 0 for size in sizes) or not sum(sizes[:-1]) <= length <= sum(sizes):
         raise ValueError(f"split sizes {list(sizes)} must be >= 0 and cover the axis' {length} "
                          "(all but the last within it)")
-    bounds, total = [], 0
-    for size in sizes[:-1]:
-        total += size
-        bounds.append(total)
-    return tuple(mx.split(x, bounds, axis=attrs["dim"]))
+    return tuple(mx.split(x, list(accumulate(sizes[:-1])), axis=attrs["dim"]))
 
 
 # -- creation --------------------------------------------------------------------------
