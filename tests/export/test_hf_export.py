@@ -61,6 +61,7 @@ def test_max_step_beyond_the_context_is_refused_quietly(tiny_checkpoint, tmp_pat
     assert "export:" not in capfd.readouterr().err
 
 
+@pytest.mark.slow  # an export at the full context bound (~4 s)
 def test_default_max_step_is_the_context(tiny_checkpoint, tmp_path: Path):
     """No max_step: the traced token bound is the model's context (the tiny config's 256,
     under DEFAULT_MAX_STEP); the run-time chunk is the session's choice within it."""

@@ -92,7 +92,7 @@ def test_cli_missing_directory_is_one_error_line_before_any_work(tiny_checkpoint
     assert "does not exist" in one_error_line(capsys.readouterr())
 
 
-@pytest.mark.parametrize("trailing_slash", [True, False])
+@pytest.mark.parametrize("trailing_slash", [pytest.param(True, marks=pytest.mark.slow), False])  # an export each
 def test_cli_directory_output_writes_model_name_pte_inside(tiny_checkpoint, tmp_path, capsys, trailing_slash):
     target = tmp_path / "out"
     target.mkdir()

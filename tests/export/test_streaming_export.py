@@ -30,6 +30,7 @@ from mlx_pte.ir.errors import FormatError
 from mlx_pte.ir.payload import WEIGHTS_KEY, decode_payload
 from mlx_pte.ir.pte import read_program
 from mlx_pte.ir.quantization import QuantSpec, quantized_constants
+from tests.fixtures.exported import exported_pte
 
 REPO = Path(__file__).resolve().parents[2]
 MB = 1 << 20
@@ -64,10 +65,9 @@ def test_the_skeleton_traces_the_graph_the_real_model_traces(tiny_checkpoint, fa
             assert torch.equal(buffer, real_state[name]) and buffer.dtype == real_state[name].dtype, name
 
 
-# The q4 pair (~8 s) runs in the slow tier; bf16 covers the writer's determinism here.
-@pytest.mark.parametrize(
-    "quantize", [None, pytest.param(QuantSpec.from_preset("q4", 32), marks=pytest.mark.slow)], ids=["bf16", "q4"]
-)
+# Two exports per case (~10 s for bf16, ~8 s for q4): the slow tier's.
+@pytest.mark.slow
+@pytest.mark.parametrize("quantize", [None, QuantSpec.from_preset("q4", 32)], ids=["bf16", "q4"])
 def test_two_exports_of_one_checkpoint_are_byte_identical(tiny_checkpoint, tmp_path, quantize):
     source = tiny_checkpoint("qwen3")
     first = export_hf(source, tmp_path / "a.pte", dtype="bfloat16", max_step=8, progress=False, quantize=quantize)
@@ -111,8 +111,8 @@ def test_a_checkpoint_weight_is_quantized_from_row_blocks_never_read_whole(monke
     assert reads == [(i, min(i + 5, 37)) for i in range(0, 37, 5)]
 
 
-def test_a_version_2_payload_without_its_weights_is_refused(tiny_checkpoint, tmp_path):
-    out = export_hf(tiny_checkpoint("llama"), tmp_path / "m.pte", max_step=8, progress=False)
+def test_a_version_2_payload_without_its_weights_is_refused(tiny_checkpoint, tmp_path_factory):
+    out = exported_pte(tmp_path_factory, tiny_checkpoint, "llama")
     contents = read_program(out.read_bytes())
     assert WEIGHTS_KEY in contents.named_data
     with pytest.raises(FormatError, match="weights .* are missing or truncated"):

@@ -159,6 +159,7 @@ def test_quantize_packs_every_experts_weight(tiny_checkpoint, tmp_path):
     assert {f"body.layers.{i}.mlp.experts.{w}" for i in range(2) for w in ("gate_up_proj", "down_proj")} <= packed
 
 
+@pytest.mark.slow  # the export traces the whole model before it quantizes (~5 s)
 def test_group_size_dividing_one_experts_width_is_one_export_error(tiny_checkpoint, tmp_path):
     from mlx_pte.export.errors import ExportError
     from mlx_pte.ir.quantization import QuantSpec

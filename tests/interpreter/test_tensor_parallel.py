@@ -54,6 +54,9 @@ def variants(tmp_path_factory, tiny_checkpoint) -> list[Path]:
     return [root / "q8.pte", root / "separate.pte"]
 
 
+# The two-rank run over every variant (~21 s with the two exports it adds) is the slow tier's;
+# the fast tier checks two ranks against one process through `run --tp 2` below.
+@pytest.mark.slow
 def test_two_ranks_match_one_process(tmp_path, tmp_path_factory, tiny_checkpoint, variants):
     """Greedy tokens equal, logits within 1e-5, for every cache kind, capture off and on:
     llama (fp32), gemma3 (sliding window, run past it), a q8 llama (whole groups per rank)
@@ -98,6 +101,7 @@ def test_a_file_without_a_plan_splits_by_hf_module_names(tmp_path_factory, tiny_
     assert names == {"qkv_proj": "colwise", "o_proj": "rowwise", "gate_up_proj": "colwise", "down_proj": "rowwise"}
 
 
+@pytest.mark.slow  # needs the separate-projections export of `variants`
 def test_a_plan_splitting_a_linear_another_way_is_refused(variants):
     payload = read_pte(variants[1])  # separate projections: q_proj is a linear of its own
     plan = {**payload.manifest["extra"]["tp_plan"], "layers.*.self_attn.q_proj": "local_colwise"}
