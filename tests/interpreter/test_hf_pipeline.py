@@ -14,14 +14,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from mlx_pte.export.hf_export import export_hf
 from mlx_pte.serving.generation import generate
-from mlx_pte.interpreter.program import Program, load
+from mlx_pte.interpreter.program import Program
 from mlx_pte.interpreter.session import DEFAULT_MAX_STEP, Session, SessionError
 from mlx_pte.runtime.cache import KINDS
+from tests.fixtures.exported import MAX_STEP
 from tests.fixtures.tiny_models import family_params
 
-MAX_STEP = 16
 PROMPT = "The quick brown fox jumps over the lazy dog, again and again."
 PROMPT_LEN = 12
 NEW_TOKENS = 24
@@ -37,18 +36,18 @@ class Exported:
 
 
 @pytest.fixture(scope="module")
-def exported_family(tiny_checkpoint, tmp_path_factory):
+def exported_family(tiny_checkpoint, programs):
+    """The family's export (shared with the other folders' tests: ``programs``) and its HF oracle."""
     memo: dict[str, Exported] = {}
 
     def build(family: str) -> Exported:
         if family not in memo:
             path = tiny_checkpoint(family)
-            pte = export_hf(path, tmp_path_factory.mktemp(family) / "model.pte", max_step=MAX_STEP, progress=False)
             hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True).eval()
             from transformers import AutoTokenizer
 
             ids = AutoTokenizer.from_pretrained(path).encode(PROMPT, add_special_tokens=False)[:PROMPT_LEN]
-            memo[family] = Exported(load(pte), hf, ids)
+            memo[family] = Exported(programs(family), hf, ids)
         return memo[family]
 
     return build
