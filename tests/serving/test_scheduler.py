@@ -97,7 +97,9 @@ def machine(kind: str):
             self.next_id = 0
             self.jobs: list[Job] = []  # submitted, not ended
             self.done: list[tuple[list[int], list[int]]] = []  # (prompt, tokens) to continue
-            self.stop_next: set[int] = set()  # id(sample) to stop at its next token
+            # (request id, sample index) to stop at its next token; not id(sample), which a
+            # later sample may reuse once this one is freed, making replays differ
+            self.stop_next: set[tuple[int, int]] = set()
             self.last_ids: list[int] = []  # the previous step's draws
 
         # -- arrivals -------------------------------------------------------------------
@@ -141,8 +143,8 @@ def machine(kind: str):
         @precondition(lambda self: any(j.live for j in self.sched.active))
         @rule(data=st.data())
         def stop_early(self, data):
-            sample = data.draw(st.sampled_from([s for j in self.sched.active for s in j.live]))
-            self.stop_next.add(id(sample))
+            job, sample = data.draw(st.sampled_from([(j, s) for j in self.sched.active for s in j.live]))
+            self.stop_next.add((job.handle.id, sample.index))
 
         @rule(steps=st.integers(1, 3))
         def step(self, steps):
@@ -205,7 +207,7 @@ def machine(kind: str):
             if sample.finish_reason is not None:
                 return
             sample.tokens.append(token)
-            if id(sample) in self.stop_next:
+            if (job.handle.id, sample.index) in self.stop_next:
                 self.finish(job, sample, "stop")
             elif sample.pending is None:
                 self.finish(job, sample, "length" if len(sample.tokens) >= job.max_tokens else "capacity")
