@@ -6,17 +6,19 @@ the run's context; it returns the result (a tuple when the op has several, an in
 scalar ops). Handlers build lazy MLX graphs and never evaluate: the program evaluates
 once per run. The lowering has already promoted operands (see ``ir.catalog``), so
 handlers do no type promotion of their own.
+
+This module holds the registry and the core families (elementwise, reductions and norms,
+linear algebra and indexing, layout, creation, host integers, the KV cache, quantized
+weights); ``rope_handlers``, ``moe_handlers`` and ``upstream_handlers`` (ops only imported
+upstream programs use) register theirs on import, at the end of this one.
 """
 from __future__ import annotations
 
 import math
 import operator
 from dataclasses import dataclass
-from functools import partial
 from itertools import accumulate
 from typing import Any, Callable, Optional
-
-import numpy as np
 
 from mlx_pte.runtime.mlx.bootstrap import mx
 
@@ -64,7 +66,7 @@ def handles(*names: str) -> Callable[[Handler], Handler]:
     return register
 
 
-def _on_operands(fn: Callable[..., mx.array]) -> Handler:
+def on_operands(fn: Callable[..., mx.array]) -> Handler:
     return lambda args, attrs, ctx: fn(*args)
 
 
@@ -108,8 +110,8 @@ _BINARY = {
     "logical_or": mx.logical_or,
 }
 for _name, _fn in {**_UNARY, **_BINARY}.items():
-    HANDLERS[_name] = _on_operands(_fn)
-HANDLERS["where"] = _on_operands(mx.where)
+    HANDLERS[_name] = on_operands(_fn)
+HANDLERS["where"] = on_operands(mx.where)
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 
@@ -147,7 +149,7 @@ def _cast(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx.array:
 
 
 # -- reductions and normalisations -----------------------------------------------------
-def _reduction(fn: Callable[..., mx.array]) -> Handler:
+def reduction(fn: Callable[..., mx.array]) -> Handler:
     def handler(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx.array:
         (x,) = args
         return fn(x, axis=list(attrs["dims"]), keepdims=attrs["keepdim"])
@@ -156,7 +158,7 @@ def _reduction(fn: Callable[..., mx.array]) -> Handler:
 
 
 for _name, _fn in {"sum": mx.sum, "mean": mx.mean, "amax": mx.max, "amin": mx.min}.items():
-    HANDLERS[_name] = _reduction(_fn)
+    HANDLERS[_name] = reduction(_fn)
 
 
 @handles("argmax")
@@ -200,90 +202,6 @@ def _layer_norm(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx.array:
 
 
 
-def _rope_half(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
-    half = x.shape[-1] // 2
-    return x * cos + mx.concatenate([-x[..., half:], x[..., :half]], axis=-1) * sin
-
-
-# Compiled, the elementwise math fuses into few kernels (MLX retraces once per shape).
-_rope_half_compiled = mx.compile(_rope_half)
-
-
-@handles("rope_half")
-def _rope_half_handler(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx.array:
-    return _rope_half_compiled(*args)
-
-
-def rope_from_table(x: mx.array, positions: mx.array, inv_freq: mx.array, seq_axis: int = 2) -> mx.array:
-    """``rope`` as HF computes it: an fp32 angle table, cos/sin rounded to x's dtype."""
-    angles = positions.reshape(-1, 1).astype(mx.float32) * inv_freq
-    table = mx.concatenate([angles, angles], axis=-1)
-    if seq_axis == 1:  # [T, D] broadcast over the heads axis that follows T
-        table = mx.expand_dims(table, 1)
-    return _rope_half(x, mx.cos(table).astype(x.dtype), mx.sin(table).astype(x.dtype))
-
-
-# ``rope_fast`` puts the tokens on the batch axis: [1, H, T, D] or [1, T, H, D] -> [T, H, 1, D].
-_TOKENS_FIRST = {2: (2, 1, 0, 3), 1: (1, 2, 0, 3)}
-_TOKENS_BACK = {2: (2, 1, 0, 3), 1: (2, 0, 1, 3)}
-
-
-def rope_fast(x: mx.array, positions: mx.array, inv_freq: mx.array, seq_axis: int = 2,
-              base: Optional[float] = None, freqs: Optional[mx.array] = None) -> mx.array:
-    """``rope`` on MLX's fused kernel, for any positions: it takes one offset per batch
-    item, so each token goes on the batch axis (a transposed view, no copy). The kernel
-    rotates in fp32 and rounds once (the table path rounds cos/sin first).
-
-    ``base`` (when ``inv_freq`` is the base form ``base ** (-2i / D)``) or ``freqs``
-    (``1 / inv_freq``) come from ``rope_form``, computed once at load; without either
-    the reciprocal is taken here, on every call.
-    """
-    tokens = mx.transpose(x, _TOKENS_FIRST[seq_axis])
-    if base is None and freqs is None:
-        freqs = mx.reciprocal(inv_freq)
-    out = mx.fast.rope(tokens, x.shape[-1], traditional=False, base=base, scale=1.0,
-                       offset=positions.reshape(-1), freqs=freqs)  # fmt: skip
-    return mx.transpose(out, _TOKENS_BACK[seq_axis])
-
-
-# How close (relative) ``inv_freq`` must be to the base form for the kernel to compute
-# it: a few fp32 ulps, the spread between HF's fp32 table and the kernel's own exp2.
-_BASE_FORM_RTOL = 1e-6
-
-
-def rope_form(inv_freq: mx.array) -> dict[str, Any]:
-    """The ``rope_fast`` keywords for a constant ``inv_freq``, computed once at load.
-
-    ``{"base": b}`` when ``inv_freq[i] == b ** (-2i / D)`` (plain RoPE: the kernel derives
-    the frequencies itself, no operand), otherwise ``{"freqs": 1 / inv_freq}`` evaluated
-    (scaled RoPE such as llama3's, whose low frequencies are stretched).
-    """
-    values = np.array(inv_freq.astype(mx.float32), dtype=np.float64).reshape(-1)
-    half = values.size
-    if half > 1 and values[0] == 1.0 and 0.0 < values[-1] < 1.0:
-        # From the last (smallest) entry: its exponent is the largest, so an ulp of error
-        # there moves the estimated base least.
-        base = float(values[-1] ** (-half / (half - 1)))
-        expected = base ** (-np.arange(half) / half)
-        if np.allclose(values, expected, rtol=_BASE_FORM_RTOL, atol=0.0):
-            return {"base": base}
-    # The kernel takes 1 / freqs again in fp32: a reciprocal rounded once (from float64)
-    # brings that back closest to the table.
-    return {"freqs": mx.array((1.0 / values).astype(np.float32))}
-
-
-_ROPE_FROM_TABLE = {axis: mx.compile(partial(rope_from_table, seq_axis=axis)) for axis in _TOKENS_FIRST}
-
-
-@handles("rope")
-def _rope(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx.array:
-    # On the CPU MLX has no rope kernel (mx.fast.rope falls back to separate ops), so
-    # the compiled table is faster there.
-    if mx.default_device().type == mx.DeviceType.gpu:
-        return rope_fast(*args, attrs["seq_axis"], attrs.get("base"), attrs.get("freqs"))
-    return _ROPE_FROM_TABLE[attrs["seq_axis"]](*args)
-
-
 _GLU_ACTIVATIONS: dict[str, Callable[[mx.array], mx.array]] = {
     "silu": _silu,
     "gelu": _gelu_erf,
@@ -312,7 +230,7 @@ def _glu(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx.array:
     return _GLU[attrs["activation"]](gate, up)
 
 # -- linear algebra and indexing -------------------------------------------------------
-HANDLERS["matmul"] = _on_operands(mx.matmul)
+HANDLERS["matmul"] = on_operands(mx.matmul)
 
 
 @handles("linear")
@@ -545,110 +463,11 @@ def _quantized_embedding(args: Args, attrs: dict[str, Any], ctx: RunContext) -> 
     return mx.dequantize(*rows, dtype=MX_DTYPES[attrs["dtype"]], **_quant_kwargs(attrs))
 
 
-# -- ops only imported upstream programs use (ir.catalog.UPSTREAM_ONLY) ------------------
-_UPSTREAM_ELEMENTWISE = {
-    "floor": mx.floor, "ceil": mx.ceil, "trunc": mx.trunc, "tan": mx.tan, "asin": mx.arcsin,
-    "acos": mx.arccos, "atan": mx.arctan, "sinh": mx.sinh, "cosh": mx.cosh, "asinh": mx.arcsinh,
-    "acosh": mx.arccosh, "atanh": mx.arctanh, "log2": mx.log2, "log10": mx.log10, "log1p": mx.log1p,
-    "expm1": mx.expm1, "sign": mx.sign, "bitwise_not": mx.bitwise_invert,
-    "atan2": mx.arctan2, "logaddexp": mx.logaddexp, "floor_divide": mx.floor_divide,
-    "remainder": mx.remainder, "bitwise_and": mx.bitwise_and, "bitwise_or": mx.bitwise_or,
-    "bitwise_xor": mx.bitwise_xor,
-}  # fmt: skip
-for _name, _fn in _UPSTREAM_ELEMENTWISE.items():
-    HANDLERS[_name] = _on_operands(_fn)
-for _name, _fn in {"prod": mx.prod, "logsumexp": mx.logsumexp, "any": mx.any, "all": mx.all}.items():
-    HANDLERS[_name] = _reduction(_fn)
-
-
-def _spread(fn: Callable[..., mx.array]) -> Handler:
-    def handler(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx.array:
-        (x,) = args
-        return fn(x, axis=list(attrs["dims"]), keepdims=attrs["keepdim"], ddof=attrs["ddof"])
-
-    return handler
-
-
-HANDLERS["var"], HANDLERS["std"] = _spread(mx.var), _spread(mx.std)
-
-
-@handles("round")
-def _round(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx.array:
-    return mx.round(args[0], attrs["decimals"])
-
-
-def _triangle(fn: Callable[..., mx.array]) -> Handler:
-    return lambda args, attrs, ctx: fn(args[0], attrs["k"])
-
-
-HANDLERS["tril"], HANDLERS["triu"] = _triangle(mx.tril), _triangle(mx.triu)
-
-
-@handles("cumsum")
-def _cumsum(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx.array:
-    return mx.cumsum(args[0], axis=attrs["dim"], reverse=attrs["reverse"], inclusive=attrs["inclusive"])
-
-
-@handles("roll")
-def _roll(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx.array:
-    return mx.roll(args[0], list(attrs["shifts"]), axis=list(attrs["dims"]))
-
-
-@handles("full_like")
-def _full_like(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx.array:
-    (x,) = args
-    dtype = x.dtype if attrs.get("dtype") is None else MX_DTYPES[attrs["dtype"]]
-    return mx.full(x.shape, attrs["value"], dtype=dtype)
-
-
-HANDLERS["sort"] = lambda args, attrs, ctx: mx.sort(args[0], axis=attrs["dim"])
-HANDLERS["argsort"] = lambda args, attrs, ctx: mx.argsort(args[0], axis=attrs["dim"])
-HANDLERS["partition"] = lambda args, attrs, ctx: mx.partition(args[0], attrs["kth"], axis=attrs["dim"])
-HANDLERS["argpartition"] = lambda args, attrs, ctx: mx.argpartition(args[0], attrs["kth"], axis=attrs["dim"])
-
-
-@handles("flip")
-def _flip(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx.array:
-    (x,) = args
-    axes = {d % x.ndim for d in attrs["dims"]}
-    return x[tuple(slice(None, None, -1) if axis in axes else slice(None) for axis in range(x.ndim))]
-
-
-@handles("repeat_interleave")
-def _repeat_interleave(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx.array:
-    return mx.repeat(args[0], attrs["repeats"], axis=attrs["dim"])
-
-
-@handles("pad")
-def _pad(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx.array:
-    (x,) = args
-    widths = attrs["widths"]
-    pairs = [(widths[i], widths[i + 1]) for i in range(0, len(widths), 2)]
-    return mx.pad(x, pairs, mode=attrs["mode"], constant_values=attrs["value"])
-
-
-@handles("sdpa")
-def _sdpa(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx.array:
-    q, k, v, mask = args
-    if attrs["causal"]:
-        mask = "causal"
-    return mx.fast.scaled_dot_product_attention(q, k, v, scale=attrs["scale"], mask=mask)
-
-
-@handles("scatter_add")
-def _scatter_add(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx.array:
-    x, index, updates = args
-    dim = attrs["dim"] % x.ndim
-    # Every element's full coordinates: its own along each axis, index's along dim.
-    coords = [mx.arange(n).reshape([-1 if i == axis else 1 for i in range(index.ndim)])
-              for axis, n in enumerate(index.shape)]  # fmt: skip
-    coords[dim] = index
-    return x.at[tuple(coords)].add(updates)
-
-
 HANDLERS["all_sum"] = all_sum  # interpreter.groups: the process group it names
 
-from . import moe_handlers  # noqa: E402,F401  (registers topk and experts; it builds on handles above)
+# The op families kept in modules of their own register themselves on import; they build
+# on ``handles`` above.
+from . import moe_handlers, rope_handlers, upstream_handlers  # noqa: E402,F401
 
 # One catalog: an op without a handler (or a handler without an op) is a bug here.
 _missing = sorted(set(CATALOG) - set(HANDLERS))

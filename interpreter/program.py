@@ -22,7 +22,8 @@ from mlx_pte.ir.pte import read_pte
 from mlx_pte.ir.upstream.importer import ImportedPayload
 
 from .capture import Capture
-from .handlers import MX_DTYPES, RunContext, rope_form
+from .handlers import MX_DTYPES, RunContext
+from .rope_handlers import rope_form
 from .plan import GraphRunError, PreparedStep, ShapeKey, int_slots, prepare, specialise, with_attrs
 from .quantized_kernels import check_kernels
 from .temporaries import check_temporaries

@@ -15,11 +15,12 @@ slots (dynamic sizes) and ``-1`` where the op allows it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional
 
 from . import quantization
 from .errors import FormatError, UnknownOpError
-from .graph import DTYPES, UNTYPED_TENSOR, Graph, Instruction, ScalarType, SlotRef, SymDim, TensorType
+from .catalog_rules import RULES, Shapes, is_int
+from .graph import DTYPES, Graph, Instruction, ScalarType, SlotRef, TensorType
 
 # Attribute kinds and the Python values they accept.
 ATTR_KINDS = ("int", "float", "bool", "str", "dtype", "ints", "floats", "int_or_ref", "ints_or_refs")
@@ -99,7 +100,7 @@ class OpSpec:
                 raise FormatError(f"{where}: result slot {slot} must be a {result_type.__name__}")
         known = {a.name: a for a in self.attrs}
         given = dict(instr.attrs)
-        shapes = _Shapes(instr, graph)
+        shapes = Shapes(instr, graph)
         for name in given:
             if name not in known:
                 raise FormatError(f"{where}: unknown attribute {name!r}")
@@ -122,10 +123,6 @@ class OpSpec:
                 raise FormatError(where + message[len(unnamed):]) from None
 
 
-def _is_int(v: object) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 def _check_attr(where: str, spec: AttrSpec, value: object, graph: Graph) -> None:
     def ref_ok(v: object) -> bool:
         return (
@@ -135,15 +132,15 @@ def _check_attr(where: str, spec: AttrSpec, value: object, graph: Graph) -> None
         )
 
     ok = {
-        "int": _is_int,
+        "int": is_int,
         "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
         "bool": lambda v: isinstance(v, bool),
         "str": lambda v: isinstance(v, str),
         "dtype": lambda v: v in DTYPES,
-        "ints": lambda v: isinstance(v, tuple) and all(_is_int(x) for x in v),
+        "ints": lambda v: isinstance(v, tuple) and all(is_int(x) for x in v),
         "floats": lambda v: isinstance(v, tuple) and all(isinstance(x, (int, float)) for x in v),
-        "int_or_ref": lambda v: _is_int(v) or ref_ok(v),
-        "ints_or_refs": lambda v: isinstance(v, tuple) and all(_is_int(x) or ref_ok(x) for x in v),
+        "int_or_ref": lambda v: is_int(v) or ref_ok(v),
+        "ints_or_refs": lambda v: isinstance(v, tuple) and all(is_int(x) or ref_ok(x) for x in v),
     }[spec.kind]
     if not ok(value):
         expected = f"one of {', '.join(DTYPES)}" if spec.kind == "dtype" else spec.kind
@@ -153,150 +150,7 @@ def _check_attr(where: str, spec: AttrSpec, value: object, graph: Graph) -> None
         raise FormatError(f"{where}: attribute {spec.name!r} must be one of {choices}, got {value!r}")
 
 
-# -- attribute rules: what a value must satisfy given the operands' and results' types --
-
-
-@dataclass(frozen=True)
-class _Shapes:
-    """The declared shapes an instruction's rules read (operands in order, then results)."""
-
-    instr: Instruction
-    graph: Graph
-
-    def _shape(self, slot: Optional[int]) -> Optional[tuple]:
-        t = self.graph.slots[slot].type if slot is not None else None
-        return t.shape if isinstance(t, TensorType) else None
-
-    @property
-    def typed(self) -> bool:
-        """Whether every tensor the rules read records its shape. Temps of an imported upstream
-        program record none (``graph.UNTYPED_TENSOR``); their attributes meet the shapes when
-        the handlers run."""
-        slots = [s for s in (*self.instr.inputs, *self.instr.outputs) if s is not None]
-        return all(self.graph.slots[s].type != UNTYPED_TENSOR for s in slots)
-
-    @property
-    def rank(self) -> int:
-        """The first operand's rank (0 for an op without operands)."""
-        return len(self._shape(self.instr.inputs[0]) or ()) if self.instr.inputs else 0
-
-    @property
-    def result(self) -> Optional[tuple]:
-        """The first result's declared shape (None for a scalar result)."""
-        return self._shape(self.instr.outputs[0]) if self.instr.outputs else None
-
-
-def _axes(values: Sequence[int], bound: int, what: str) -> Optional[str]:
-    bad = [v for v in values if not 0 <= v < bound]
-    return f"{what} {bad[0]} is outside [0, {bound})" if bad else None
-
-
-def _literals(value: object) -> list[int]:
-    items = value if isinstance(value, tuple) else (value,)
-    return [v for v in items if _is_int(v)]
-
-
-def _matches_result(value: tuple, shapes: _Shapes, keep: bool = False) -> Optional[str]:
-    """``value`` (a shape attribute) has the result's rank and its static sizes; with ``keep``,
-    -1 (view: the inferred size; expand: the operand's size) is not compared."""
-    result = shapes.result
-    if result is None or len(value) != len(result):
-        return f"has {len(value)} entries, the result has rank {len(result or ())}"
-    for size, dim in zip(value, result):
-        if not _is_int(size) or (keep and size == -1):
-            continue
-        if isinstance(dim, SymDim):
-            if size < dim.min or (dim.max is not None and size > dim.max):
-                return f"size {size} is outside the result's range for {dim.name}"
-        elif size != dim:
-            return f"size {size} differs from the result's {dim}"
-    return None
-
-
-def _shape_rule(lowest: int, most_minus_one: Optional[int], match: bool, keep: bool = False) -> Callable:
-    def rule(value: tuple, shapes: _Shapes) -> Optional[str]:
-        low = [v for v in _literals(value) if v < lowest]
-        if low:
-            return f"size {low[0]} is negative" if lowest == 0 else f"size {low[0]} is below {lowest}"
-        if most_minus_one is not None and _literals(value).count(-1) > most_minus_one:
-            return "holds more than one -1"
-        return _matches_result(value, shapes, keep) if match else None
-
-    return rule
-
-
-def _permutation_of(value: tuple, rank: int, of: str) -> Optional[str]:
-    return None if sorted(value) == list(range(rank)) else f"is not a permutation of the {rank} axes of the {of}"
-
-
-def _permutation(value: tuple, shapes: _Shapes) -> Optional[str]:
-    return _permutation_of(value, shapes.rank, "operand")
-
-
-def _result_permutation(value: tuple, shapes: _Shapes) -> Optional[str]:
-    """A permutation of the result's axes (``view_permute`` permutes the viewed shape, whose
-    rank is the result's, not the operand's)."""
-    return _permutation_of(value, len(shapes.result or ()), "result")
-
-
-def _split_heads_shape(value: tuple, shapes: _Shapes) -> Optional[str]:
-    """``view_permute``'s shape: one -1 at most, and, permuted by its dims, the result's shape
-    (dims that are no permutation of it are the dims rule's to report)."""
-    problem = _shape_rule(-1, 1, match=False)(value, shapes)
-    dims = dict(shapes.instr.attrs).get("dims")
-    if problem or not (isinstance(dims, tuple) and all(_is_int(d) for d in dims)) \
-            or sorted(dims) != list(range(len(value))):
-        return problem
-    return _matches_result(tuple(value[d] for d in dims), shapes, keep=True)
-
-
-def _seq_axis(value: int, shapes: _Shapes) -> Optional[str]:
-    return None if value in (1, 2) else "must be 1 ([1, T, H, D]) or 2 ([1, H, T, D])"
-
-
-def _sorted_axes(value: tuple, shapes: _Shapes) -> Optional[str]:
-    if list(value) != sorted(set(value)):
-        return "must list distinct axes in increasing order"
-    return _axes(value, shapes.rank, "axis")
-
-
-def _same_rank(value: int, shapes: _Shapes) -> Optional[str]:
-    ranks = {len(shapes._shape(s) or ()) for s in shapes.instr.inputs}
-    return _axes([value], shapes.rank, "axis") if len(ranks) == 1 else "joins operands of different ranks"
-
-
-def _tile_reps(value: tuple, shapes: _Shapes) -> Optional[str]:
-    low = [v for v in _literals(value) if v < 0]
-    if low:
-        return f"count {low[0]} is negative"
-    result = shapes.result
-    if result is not None and len(result) != max(len(value), shapes.rank):
-        return f"has {len(value)} entries for an operand of rank {shapes.rank} and a result of rank {len(result)}"
-    return None
-
-
-# rule name -> check(value, shapes) -> the problem, or None. Refs (dynamic sizes) are checked
-# when they are read at run time; these rules see the literal parts.
-RULES: dict[str, Callable[[object, _Shapes], Optional[str]]] = {
-    "axis": lambda v, s: _axes([v], s.rank, "axis"),  # an axis of the first operand
-    "new_axis": lambda v, s: _axes([v], s.rank + 1, "axis"),  # where an axis is inserted
-    "sorted_axes": _sorted_axes,
-    "squeeze_axes": lambda v, s: _axes(v, s.rank, "axis"),
-    "cat_axis": _same_rank,
-    "permutation": _permutation,
-    "result_permutation": _result_permutation,
-    "nonzero": lambda v, s: "must not be 0" if _is_int(v) and v == 0 else None,
-    "sizes": _shape_rule(0, None, match=False),
-    "result_shape": _shape_rule(0, None, match=True),  # the created tensor's shape
-    "view_shape": _shape_rule(-1, 1, match=True, keep=True),
-    "split_heads_shape": _split_heads_shape,
-    "seq_axis": _seq_axis,
-    "expand_shape": _shape_rule(-1, None, match=True, keep=True),
-    "tile_reps": _tile_reps,
-}
-
-
-def _check_rule(where: str, spec: AttrSpec, value: object, shapes: _Shapes) -> None:
+def _check_rule(where: str, spec: AttrSpec, value: object, shapes: Shapes) -> None:
     if spec.rule is None:
         return
     problem = RULES[spec.rule](value, shapes)
@@ -427,7 +281,7 @@ def _check_glu_halves(instr: Instruction, graph: Graph) -> None:
                           "out), and only there")
     t = graph.slots[instr.inputs[0]].type  # type: ignore[index]
     total = t.shape[-1] if isinstance(t, TensorType) and t.shape else None
-    if fused and (not _is_int(width) or width < 1 or (_is_int(total) and 2 * width > total)):
+    if fused and (not is_int(width) or width < 1 or (is_int(total) and 2 * width > total)):
         raise FormatError(f"instruction 'glu': width {width} must be >= 1 and fit twice in the fused operand's "
                           f"last axis of {total}")
 
@@ -486,8 +340,8 @@ define(
 def _check_split_heads(instr: Instruction, graph: Graph) -> None:
     """The head groups tile x's last axis exactly: sum(heads) * head_dim == its width."""
     heads, dim = instr.attr("heads"), instr.attr("head_dim")
-    assert isinstance(heads, tuple) and _is_int(dim)
-    if dim < 1 or any(not _is_int(h) or h < 1 for h in heads) or len(heads) != len(instr.outputs):
+    assert isinstance(heads, tuple) and is_int(dim)
+    if dim < 1 or any(not is_int(h) or h < 1 for h in heads) or len(heads) != len(instr.outputs):
         raise FormatError(f"instruction 'split_heads': head_dim must be >= 1 and heads one count >= 1 per result, "
                           f"got head_dim {dim}, heads {list(heads)} for {len(instr.outputs)} results")
     t = graph.slots[instr.inputs[0]].type  # type: ignore[index]
@@ -495,7 +349,7 @@ def _check_split_heads(instr: Instruction, graph: Graph) -> None:
         return
     if len(t.shape) != 3:
         raise FormatError(f"instruction 'split_heads': x must be [B, T, W], got rank {len(t.shape)}")
-    if _is_int(t.shape[-1]) and sum(heads) * dim != t.shape[-1]:
+    if is_int(t.shape[-1]) and sum(heads) * dim != t.shape[-1]:
         raise FormatError(f"instruction 'split_heads': heads {list(heads)} of {dim} do not tile x's last axis "
                           f"of {t.shape[-1]}")
     for count, slot in zip(heads, instr.outputs):
@@ -691,117 +545,7 @@ define(
 )
 
 
-# Ops that only imported upstream ExecuTorch programs use (``ir.upstream``): mlx-pte's
-# exporter never emits them; upstream's own op test cases check them against eager torch
-# (tests/upstream/test_op_suite.py). Operands keep their dtypes: MLX promotes, as upstream's
-# runtime does.
-UPSTREAM_UNARY = (
-    "floor", "ceil", "trunc", "tan", "asin", "acos", "atan", "sinh", "cosh", "asinh", "acosh",
-    "atanh", "log2", "log10", "log1p", "expm1", "sign", "bitwise_not",
-)  # fmt: skip
-UPSTREAM_BINARY = (
-    "atan2", "logaddexp", "floor_divide", "remainder", "bitwise_and", "bitwise_or", "bitwise_xor",
-)  # fmt: skip
-UPSTREAM_REDUCTIONS = ("prod", "logsumexp", "any", "all")
-for _name in UPSTREAM_UNARY:
-    define(OpSpec(_name, ("x",), output_rule="like x (MLX's op of the same name)"))
-for _name in UPSTREAM_BINARY:
-    define(OpSpec(_name, ("a", "b"), output_rule="broadcast shape of a and b; MLX's type promotion"))
-for _name in UPSTREAM_REDUCTIONS:
-    define(OpSpec(_name, ("x",), _REDUCTION_ATTRS,
-                  output_rule="x reduced over dims (kept as size 1 if keepdim); bool for any/all, else dtype of x"))
-for _name in ("var", "std"):
-    define(
-        OpSpec(
-            _name,
-            ("x",),
-            _REDUCTION_ATTRS + _attrs(("ddof", "int")),
-            output_rule="x's variance (std: its square root) over dims, divided by count - ddof; dtype of x",
-        )
-    )
-define(OpSpec("round", ("x",), _attrs(("decimals", "int")), output_rule="like x, rounded half to even"))
-for _name in ("tril", "triu"):
-    define(OpSpec(_name, ("x",), _attrs(("k", "int")),
-                  output_rule="like x, zero above (tril) / below (triu) diagonal k of the last two axes"))
-define(
-    OpSpec(
-        "cumsum",
-        ("x",),
-        _attrs(("dim", "int", True, "axis"), ("reverse", "bool"), ("inclusive", "bool")),
-        output_rule="like x: running sums along dim",
-    )
-)
-define(
-    OpSpec(
-        "roll",
-        ("x",),
-        _attrs(("shifts", "ints_or_refs"), ("dims", "ints")),
-        output_rule="like x, rolled by shifts[i] along dims[i]",
-    )
-)
-define(
-    OpSpec(
-        "full_like",
-        ("x",),
-        _attrs(("value", "float"), ("dtype", "dtype", False)),
-        output_rule="x's shape filled with value; dtype, or x's when absent",
-    )
-)
-for _name in ("sort", "argsort"):
-    define(OpSpec(_name, ("x",), _attrs(("dim", "int", True, "axis")),
-                  output_rule="x's shape: sorted along dim (argsort: the indices that sort, uint32)"))
-for _name in ("partition", "argpartition"):
-    define(
-        OpSpec(
-            _name,
-            ("x",),
-            _attrs(("kth", "int_or_ref"), ("dim", "int", True, "axis")),
-            output_rule="x's shape, along dim: element kth in its sorted place, none larger before it, "
-            "none smaller after (argpartition: their indices, uint32)",
-        )
-    )
-define(OpSpec("flip", ("x",), _attrs(("dims", "ints")), output_rule="like x, reversed along dims"))
-define(
-    OpSpec(
-        "repeat_interleave",
-        ("x",),
-        _attrs(("repeats", "int_or_ref"), ("dim", "int", True, "axis")),
-        output_rule="x with each element repeated `repeats` times along dim",
-    )
-)
-define(
-    OpSpec(
-        "pad",
-        ("x",),
-        (AttrSpec("widths", "ints_or_refs"), AttrSpec("mode", "str", choices=("constant", "edge")),
-         AttrSpec("value", "float")),
-        output_rule="x padded by (widths[2i], widths[2i + 1]) before and after axis i; constant value or "
-        "the edge element",
-    )  # fmt: skip
-)
-define(
-    OpSpec(
-        "sdpa",
-        ("q", "k", "v", "mask?"),
-        _attrs(("scale", "float"), ("causal", "bool")),
-        output_rule="[B, Hq, T, Dv]: softmax(q @ k.T * scale + mask) @ v, k and v heads shared by groups of q "
-        "heads; a bool mask selects, a float mask adds; causal masks the upper right (MLX's fast sdpa)",
-    )
-)
-define(
-    OpSpec(
-        "scatter_add",
-        ("x", "index", "updates"),
-        _attrs(("dim", "int", True, "axis")),
-        output_rule="like x, plus each updates[i...] at x[i...] with axis dim replaced by index[i...] "
-        "(torch's scatter_add: index and updates of one shape, x's rank)",
-    )
-)
-UPSTREAM_ONLY = frozenset(
-    UPSTREAM_UNARY + UPSTREAM_BINARY + UPSTREAM_REDUCTIONS
-    + ("var", "std", "round", "tril", "triu", "cumsum", "roll", "full_like", "sort", "argsort", "partition",
-       "argpartition", "flip", "repeat_interleave", "pad", "sdpa", "scatter_add")
-    + ("gather_mm", "gather_qmm", "item")  # ir.catalog_moe: upstream's MoE matmuls and their sorted flag
-)  # fmt: skip
-
-from . import catalog_moe  # noqa: E402,F401  (defines topk and experts; it builds on define above)
+# The op families kept in modules of their own define themselves on import; they build on
+# ``define`` above. UPSTREAM_ONLY: the ops only imported upstream programs use.
+from . import catalog_moe  # noqa: E402,F401
+from .catalog_upstream import UPSTREAM_ONLY  # noqa: E402,F401

@@ -15,7 +15,7 @@ from torch.export import Dim
 import mlx_pte.runtime.mlx.blas  # noqa: F401
 import mlx.core as mx
 
-from mlx_pte.interpreter.handlers import rope_fast, rope_from_table
+from mlx_pte.interpreter.rope_handlers import rope_fast, rope_from_table
 
 from . import hf_blocks
 from .roundtrip import assert_matches, export_and_load
@@ -266,7 +266,7 @@ def test_the_load_time_rope_form_matches_hf_and_needs_no_per_call_reciprocal(sca
     otherwise (scaled, or a table rounded off the base form); either, used from a compiled function as capture does, matches HF."""
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-    from mlx_pte.interpreter.handlers import rope_form
+    from mlx_pte.interpreter.rope_handlers import rope_form
 
     rotary = hf_blocks.Rotary()
     rotary.rotary = LlamaRotaryEmbedding(type(hf_blocks.CONFIG)(**{**hf_blocks.CONFIG.to_dict(), "rope_scaling": scaling}))
