@@ -9,6 +9,10 @@ Per decode token: kernels launched, kernel ms (sum of kernel durations), wall ms
 the profiler, which inflates it), the busy fraction (kernel / wall) and the top kernels
 by time. Prefill is taken out by profiling a generation of 1 token and one of
 ``--generate + 1`` with the same prompt and dividing the difference by ``--generate``.
+
+With ``--batch B`` (> 1), B requests of distinct prompts decode together instead: mlx-pte's
+Engine over ``--kind`` against mlx-lm's BatchGenerator (bench/batched.py's runs), and the
+figures are per decode step (one token of every request).
 """
 from __future__ import annotations
 
@@ -81,9 +85,14 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=12, help="kernels listed per engine")
     parser.add_argument("--capture", choices=["on", "off", "both"], default="on", help="mlx-pte's capture")
     parser.add_argument("--skip", action="append", default=[], choices=["mlx-pte", "mlx-lm"])
+    parser.add_argument("--batch", type=int, default=1, help="requests decoding together (default 1: generate())")
+    parser.add_argument("--kind", default="batched-sequence", choices=["batched-sequence", "batched-cell"],
+                        help="with --batch: the engine's cache kind")
     args = parser.parse_args()
     if args.generate < 1:
         parser.error("--generate must be at least 1")
+    if args.batch < 1:
+        parser.error("--batch must be at least 1")
     labelled = [parse_pte(arg, "bf16") for arg in args.pte]
     args.work.mkdir(parents=True, exist_ok=True)
     if args.wheels:
@@ -106,7 +115,10 @@ def main() -> None:
     prompt = np.random.default_rng(0).integers(0, vocab, args.prompt).tolist()
     capacity = args.prompt + args.generate + 1
     print(f"MLX {mx.__version__} on {device}, torch {torch.__version__} on {torch.cuda.get_device_name()}; "
-          f"prompt {args.prompt}, {args.generate} decode tokens profiled")
+          f"prompt {args.prompt}, {args.generate} decode tokens profiled, batch {args.batch}")
+    if args.batch > 1:
+        profile_batch(args, ptes, model_dir, vocab)
+        return
     for label, pte in ptes.items():
         if "mlx-pte" not in args.skip:
             program = load(pte)
@@ -127,6 +139,25 @@ def main() -> None:
                 return run
 
             per_token(lm_run, args.generate, args.top, f"mlx-lm {label}")
+            del model
+
+
+def profile_batch(args: argparse.Namespace, ptes: dict[str, Path], model_dir: Path, vocab: int) -> None:
+    """Per decode step of ``--batch`` requests: the engine against mlx-lm's BatchGenerator."""
+    from batched import bench_engine, bench_mlx_lm, prompts_for, warmed_engine
+    from mlx_pte import load
+
+    prompts = prompts_for(args.batch, args.prompt, vocab)
+    for label, pte in ptes.items():
+        if "mlx-pte" not in args.skip:
+            engine = warmed_engine(load(pte), args.kind, args.batch * (args.prompt + args.generate + 1), "bfloat16")
+            per_token(lambda count: lambda: bench_engine(engine, prompts, count), args.generate, args.top,
+                      f"mlx-pte {label} {args.kind}, B={args.batch}, per step")
+            del engine
+        if "mlx-lm" not in args.skip:
+            model = load_mlx_lm(model_dir, "bfloat16", bits_of(label), args.group_size)
+            per_token(lambda count: lambda: bench_mlx_lm(model, prompts, count), args.generate, args.top,
+                      f"mlx-lm {label} BatchGenerator, B={args.batch}, per step")
             del model
 
 
