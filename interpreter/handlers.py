@@ -334,8 +334,10 @@ def _slice_update(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx.arra
 @handles("select")
 def _select(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx.array:
     (x,) = args
-    dim = attrs["dim"]
-    return x[_along(x, dim, attrs["index"] % x.shape[dim])]
+    dim = attrs["dim"] % x.ndim
+    index = attrs["index"] % x.shape[dim]
+    # A one-element slice, squeezed: both views. (x[index] would be a gather in MLX.)
+    return x[_along(x, dim, slice(index, index + 1))].squeeze(dim)
 
 
 @handles("unsqueeze")

@@ -130,7 +130,9 @@ def attend_padded(
     values = pools.v.window(batch.lo, batch.hi, batch.read_len)
     rows = batch.hi - batch.lo
     q_heads, dim = q.shape[1], q.shape[3]
-    queries = q[0].transpose(1, 0, 2)  # [T, Hq, D], token-major
+    # squeeze, not q[0]: an integer index is a gather in MLX (a kernel and a copy), a squeeze
+    # a view; the rotary kernel leaves q token-major, so the reshape below copies nothing.
+    queries = q.squeeze(0).transpose(1, 0, 2)  # [T, Hq, D], token-major
     if batch.gather is not None:
         padding = mx.zeros((1, q_heads, dim), q.dtype)
         queries = mx.take(mx.concatenate([queries, padding]), batch.gather, axis=0)

@@ -171,7 +171,9 @@ class Pool:
         tokens = index.shape[0] // self.heads
         self._check_update(update, tokens)
         rows_, heads, slots_, dim = self.data.shape
-        values = cast(update, self.dtype)[0].transpose(1, 0, 2).reshape(tokens * heads, dim)
+        # squeeze, not [0] (an integer index is a gather in MLX); K and V arrive token-major
+        # (the rotary kernel's and the projection's layout), so the reshape is a view too.
+        values = cast(update, self.dtype).squeeze(0).transpose(1, 0, 2).reshape(tokens * heads, dim)
         flat = self.data.reshape(rows_ * heads * slots_, dim)
         self.data = mx.put_along_axis(flat, index, values, axis=0).reshape(rows_, heads, slots_, dim)
 
