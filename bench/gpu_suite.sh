@@ -3,7 +3,8 @@
 #   decode_p128.log    prompt 128, 128 generated: mlx-pte vs mlx-lm, bf16 and q4 g64, 5 interleaved rounds
 #   decode_p2048.log   prompt 2048, 64 generated, the same (prefill of a long prompt, default export)
 #   profile.log        bench/gpu_profile.py: kernels, kernel ms, wall ms, busy, top kernels per token
-#   profile_b8.log     the same per decode step of 8 requests: batched-sequence and BatchGenerator, bf16
+#   profile_b8.log     the same per decode step of 8 requests on batched-sequence, bf16 (mlx-lm's
+#                      BatchGenerator under the profiler ended in a segfault, so it is skipped)
 #   profile_b8_cell.log  the same for batched-cell
 #   gemv.log           bench/gpu_gemv.py: GEMV GB/s at the model's shapes, custom kernel, cuBLAS, q4
 #   batches.log        --batches 8,32,64: batched-sequence vs mlx-lm's BatchGenerator, bf16
@@ -60,7 +61,7 @@ step decode_p2048 120 "$PY" bench/gpu_decode.py "${PTES[@]}" "${COMMON[@]}" --pr
     --rounds 5 --capture on --skip hf --skip hf-static
 step profile 90 "$PY" bench/gpu_profile.py "${PTES[@]}" "${COMMON[@]}" --prompt 128 --generate 64
 step profile_b8 120 "$PY" bench/gpu_profile.py --pte bf16=.gpu/llama1b-bf16.pte.gz "${COMMON[@]}" --prompt 128 \
-    --generate 32 --batch 8 --top 24
+    --generate 32 --batch 8 --top 24 --skip mlx-lm
 step profile_b8_cell 90 "$PY" bench/gpu_profile.py --pte bf16=.gpu/llama1b-bf16.pte.gz "${COMMON[@]}" --prompt 128 \
     --generate 32 --batch 8 --top 24 --kind batched-cell --skip mlx-lm
 step gemv 60 "$PY" bench/gpu_gemv.py --site "$SITE" --custom --torch --q4
