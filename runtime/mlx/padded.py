@@ -131,7 +131,7 @@ def attend_padded(
     rows = batch.hi - batch.lo
     q_heads, dim = q.shape[1], q.shape[3]
     # squeeze, not q[0]: an integer index is a gather in MLX (a kernel and a copy), a squeeze
-    # a view; the rotary kernel leaves q token-major, so the reshape below copies nothing.
+    # a view.
     queries = q.squeeze(0).transpose(1, 0, 2)  # [T, Hq, D], token-major
     if batch.gather is not None:
         padding = mx.zeros((1, q_heads, dim), q.dtype)

@@ -171,8 +171,7 @@ class Pool:
         tokens = index.shape[0] // self.heads
         self._check_update(update, tokens)
         rows_, heads, slots_, dim = self.data.shape
-        # squeeze, not [0] (an integer index is a gather in MLX); K and V arrive token-major
-        # (the rotary kernel's and the projection's layout), so the reshape is a view too.
+        # squeeze, not [0]: an integer index is a gather in MLX, a squeeze a view.
         values = cast(update, self.dtype).squeeze(0).transpose(1, 0, 2).reshape(tokens * heads, dim)
         flat = self.data.reshape(rows_ * heads * slots_, dim)
         self.data = mx.put_along_axis(flat, index, values, axis=0).reshape(rows_, heads, slots_, dim)
