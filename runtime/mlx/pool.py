@@ -220,13 +220,24 @@ class Pool:
             )
         return self.data[lo:hi, :, :length]
 
-    def fork_row(self, src: int, dst: int, length: int) -> None:
-        """Copy slots ``[0, length)`` of row ``src`` into row ``dst`` (a sequence fork)."""
-        if self.data is None or src >= self.rows:
-            return  # the source never wrote this layer: nothing to copy
-        length = min(length, self.slots)
-        self.reserve(dst + 1, length)
-        self._set(dst, 0, self.data[src : src + 1, :, :length])
+    def row_prefix(self, row: int, length: int) -> Optional[mx.array]:
+        """A copy of slots ``[0, length)`` of ``row`` ([1, H, length, D]) in a buffer of
+        its own, unevaluated; None when the row was never written (nothing to fork).
+
+        A slice alone would be a view of the pool's buffer: written back into the pool,
+        it keeps that buffer shared, so the write cannot reuse it and copies the whole
+        pool. ``mx.array`` copies; the caller evaluates the copies (all layers at once)
+        before it writes them (``write_prefix``).
+        """
+        if self.data is None or row >= self.rows:
+            return None
+        return mx.array(self.data[row : row + 1, :, : min(length, self.slots)])
+
+    def write_prefix(self, row: int, prefix: mx.array) -> None:
+        """Write ``prefix`` ([1, H, L, D], a ``row_prefix``) over slots ``[0, L)`` of ``row``."""
+        self._check_update(prefix, prefix.shape[2])
+        self.reserve(row + 1, prefix.shape[2])
+        self._set(row, 0, prefix)
 
 
 @dataclass

@@ -41,7 +41,7 @@ from .attention import attend
 from mlx_pte.runtime.cache.attend_checks import check_attend
 from .masks import StepMemo, run_mask
 from .padded import PaddedBatch, attend_padded, plan_padded
-from .pool import STORAGE_DTYPES, LayerPools, layer_pools
+from .pool import STORAGE_DTYPES, LayerPools, Pool, layer_pools
 
 
 @dataclass(frozen=True)
@@ -180,8 +180,21 @@ class MLXBatchedSequenceCache(SequencePools, BatchedSequenceCache):
             self._clear_storage()
 
     def _fork_sequence(self, src: int, dst: int, upto: int) -> None:
+        copies: list[tuple[Pool, mx.array]] = []
         for pools, index in zip(self._pools, self.policies.layer_layout):
             layout = self.policies.layouts[index]
             length = layout.slots if isinstance(layout, RingLayout) else upto
-            pools.k.fork_row(src, dst, length)
-            pools.v.fork_row(src, dst, length)
+            for pool in (pools.k, pools.v):
+                prefix = pool.row_prefix(src, length)
+                if prefix is not None:
+                    pool.reserve(dst + 1, prefix.shape[2])
+                    copies.append((pool, prefix))
+        # The copies and the (possibly grown) pools are evaluated before the writes: an
+        # array still pending when a write runs stays referenced by the graph, so the
+        # write cannot reuse its buffer and copies the whole pool, every layer. Measured
+        # on the 135M model, 2 CPU cores, 8 forks of ~500 positions into 24-row pools of
+        # 2,048 slots: 1.7 s lazily, 0.08 s so. The sync waits for the step in flight,
+        # once per fork.
+        mx.eval([prefix for _, prefix in copies] + [pool.data for pool, _ in copies])
+        for pool, prefix in copies:
+            pool.write_prefix(dst, prefix)

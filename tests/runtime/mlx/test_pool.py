@@ -114,14 +114,26 @@ def test_scatter_places_tokens_in_their_rows():
     np.testing.assert_array_equal(np.array(pool.window(2, 4, 3)), want[2:4, :, :3])
 
 
-def test_fork_row_copies_only_the_prefix_and_leaves_the_source():
+def test_a_row_prefix_copies_only_the_prefix_and_leaves_the_source():
     pool = Pool(H, D, mx.float32, max_slots=16, first_slots=8, max_rows=4)
     write(pool, 0, tokens(6), row=0)
     write(pool, 0, tokens(8, start=70), row=1)
-    pool.fork_row(0, 1, 3)
+    prefix = pool.row_prefix(0, 3)
+    mx.eval(prefix)
+    pool.write_prefix(1, prefix)
     np.testing.assert_array_equal(np.array(pool.read(1, 0, 3)), tokens(3))
     np.testing.assert_array_equal(np.array(pool.read(1, 3, 5)), tokens(5, start=73))
     np.testing.assert_array_equal(np.array(pool.read(0, 0, 6)), tokens(6))
+
+
+def test_a_row_prefix_is_not_changed_by_later_writes_to_its_row():
+    pool = Pool(H, D, mx.float32, max_slots=8, first_slots=8)
+    write(pool, 0, tokens(4))
+    prefix = pool.row_prefix(0, 8)  # longer than written: clipped to the pool's slots
+    assert prefix.shape == (1, H, 8, D)
+    write(pool, 0, tokens(4, start=9))
+    np.testing.assert_array_equal(np.array(prefix)[:, :, :4], tokens(4))
+    assert pool.row_prefix(1, 3) is None  # a row never written has nothing to fork
 
 
 def test_a_write_never_changes_an_earlier_snapshot():
@@ -186,6 +198,8 @@ def test_write_runs_and_fork_leave_another_holder_of_the_array_untouched():
     held = pool.data  # e.g. a read in flight, or another pool's handle
     before = np.array(held)
     pool.write_runs(0, (Run(1, 2),), mx.array(tokens(2, start=50)))
-    pool.fork_row(1, 0, 3)
+    prefix = pool.row_prefix(1, 3)
+    mx.eval(prefix)
+    pool.write_prefix(0, prefix)
     np.testing.assert_array_equal(np.array(held), before)
     np.testing.assert_array_equal(np.array(pool.read(0, 0, 3)), tokens(3))
