@@ -187,14 +187,12 @@ class MLXBatchedSequenceCache(SequencePools, BatchedSequenceCache):
             for pool in (pools.k, pools.v):
                 prefix = pool.row_prefix(src, length)
                 if prefix is not None:
-                    pool.reserve(dst + 1, prefix.shape[2])
                     copies.append((pool, prefix))
-        # The copies and the (possibly grown) pools are evaluated before the writes: an
-        # array still pending when a write runs stays referenced by the graph, so the
-        # write cannot reuse its buffer and copies the whole pool, every layer. Measured
-        # on the 135M model, 2 CPU cores, 8 forks of ~500 positions into 24-row pools of
-        # 2,048 slots: 1.7 s lazily, 0.08 s so. The sync waits for the step in flight,
-        # once per fork.
-        mx.eval([prefix for _, prefix in copies] + [pool.data for pool, _ in copies])
+        # The copies are evaluated before the writes: a copy still pending when its write
+        # runs keeps the pool's buffer referenced, so the write cannot reuse it and copies
+        # the whole pool, every layer. Measured on the 135M model, 2 CPU cores, 8 forks
+        # of ~500 positions into 24-row pools of 2,048 slots: 1.7 s lazily, 0.08 s so.
+        # The sync waits for the step in flight, once per fork.
+        mx.eval([prefix for _, prefix in copies])
         for pool, prefix in copies:
             pool.write_prefix(dst, prefix)
