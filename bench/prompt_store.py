@@ -31,7 +31,7 @@ def main() -> None:
         for i in range(entries):
             tokens = system + [rng.randrange(50_000) for _ in range(args.length - args.system)]
             conversations.append(tokens)
-            store.add(i, tokens)
+            store.add(i, tokens, args.system)
         query = conversations[entries // 2] + [1, 2, 3]
         start = time.perf_counter()
         for _ in range(args.repeats):

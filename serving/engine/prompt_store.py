@@ -22,6 +22,7 @@ class Retained:
 
     seq_id: int
     tokens: np.ndarray  # int64 [length]: the token at each position
+    prompt_len: int  # leading tokens that were its request's prompt; the rest is its reply
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -80,12 +81,12 @@ class PromptStore:
         """Mark ``entry`` as just used."""
         self._entries.move_to_end(entry.seq_id)
 
-    def add(self, seq_id: int, tokens: Sequence[int]) -> None:
-        """Keep sequence ``seq_id`` (holding ``tokens``), or release it at once if it alone
-        exceeds the budget or is a prefix of an entry (which then counts as used: it
-        serves every prompt the new one would). Entries that are prefixes of it go, then
-        the oldest until the budget holds."""
-        new = Retained(seq_id, np.asarray(tokens, dtype=np.int64))
+    def add(self, seq_id: int, tokens: Sequence[int], prompt_len: int) -> None:
+        """Keep sequence ``seq_id`` (holding ``tokens``, the first ``prompt_len`` of them its
+        prompt), or release it at once if it alone exceeds the budget or is a prefix of an
+        entry (which then counts as used: it serves every prompt the new one would).
+        Entries that are prefixes of it go, then the oldest until the budget holds."""
+        new = Retained(seq_id, np.asarray(tokens, dtype=np.int64), prompt_len)
         longer = next((e for e in self._entries.values() if _is_prefix(new.tokens, e.tokens)), None)
         if longer is not None or not 0 < len(new) <= self.budget:
             if longer is not None:
@@ -98,6 +99,12 @@ class PromptStore:
         self.tokens += len(new)
         while self.tokens > self.budget:
             self.evict_lru()
+
+    def take(self, entry: Retained) -> int:
+        """Remove ``entry`` without releasing its sequence, which the caller now owns."""
+        del self._entries[entry.seq_id]
+        self.tokens -= len(entry)
+        return entry.seq_id
 
     def evict_lru(self, keep: Optional[Retained] = None) -> bool:
         """Release the least recently used entry other than ``keep``; False if none."""
@@ -112,9 +119,7 @@ class PromptStore:
             pass
 
     def _drop(self, entry: Retained) -> None:
-        del self._entries[entry.seq_id]
-        self.tokens -= len(entry)
-        self._release(entry.seq_id)
+        self._release(self.take(entry))
 
 
 def _is_prefix(short: np.ndarray, long: np.ndarray) -> bool:

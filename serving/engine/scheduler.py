@@ -17,7 +17,7 @@ carries the reason on its handle (``waiting_reason``).
 
 With a prompt store, a finished request's sequences stay in the cache keyed by the tokens
 they hold; a later prompt sharing a prefix forks one (``seq_clone``) and prefills only the
-rest. Retained sequences use only room no admitted request has reserved: admission evicts
+rest, or, where it continues that conversation, takes the sequence over (``rewind``). Retained sequences use only room no admitted request has reserved: admission evicts
 them, least recently used first, before a request would have to wait, so whether and when
 a request starts is decided as without the store.
 
@@ -37,7 +37,7 @@ from typing import Optional, Sequence
 from mlx_pte.runtime.cache import ALLOWED, CacheControl, Step, Verdict
 
 from .jobs import Draw, Job, Sample
-from .prompt_store import PromptStore, Retained
+from .prompt_store import Match, PromptStore, Retained
 from .requests import EngineStats, RequestHandle, RequestRejected, SequenceState, Status
 
 
@@ -349,19 +349,28 @@ class Scheduler:
         return self.cache.check_step(step.with_prompt_chunk(seq_id, job.fed, self._chunk_len(job, step)))
 
     def _open_sequence(self, job: Job) -> int:
-        """The sequence ``job``'s prompt starts in: a fork of the retained sequence sharing
-        its longest prefix, where the cache can fork (``job.fed`` set to the shared
-        length), else a new one. Retained sequences are evicted first as far as the
-        request's reservation needs; the one it forks from goes last."""
+        """The sequence ``job``'s prompt starts in (``job.fed`` set to what it already
+        holds): the retained sequence sharing its longest prefix, taken over where the
+        prompt continues that conversation (``_continues``), else a fork of it where the
+        cache can fork, else a new one. Retained sequences are evicted first as far as the
+        request's reservation needs; the one it reuses goes last."""
         matches = self.prompt_store.matches(job.ids)
         self._shrink_store(job.footprint, len(job.samples), keep=matches[0].entry if matches else None)
         seq_id = None
         for match in matches:
-            if match.entry in self.prompt_store and self.cache.can_clone(match.entry.seq_id, match.length):
-                seq_id = self.cache.seq_clone(match.entry.seq_id, match.length)
-                self.prompt_store.touch(match.entry)
-                job.fed = match.length
-                break
+            entry = match.entry
+            if entry not in self.prompt_store:
+                continue
+            if _continues(match) and self.cache.can_rewind(entry.seq_id, match.length):
+                seq_id = self.prompt_store.take(entry)
+                self.cache.rewind(seq_id, match.length)
+            elif self.cache.can_clone(entry.seq_id, match.length):
+                seq_id = self.cache.seq_clone(entry.seq_id, match.length)
+                self.prompt_store.touch(entry)
+            else:
+                continue
+            job.fed = match.length
+            break
         self._shrink_store(job.footprint, len(job.samples))
         return seq_id if seq_id is not None else self.cache.seq_new()
 
@@ -422,7 +431,7 @@ class Scheduler:
             self.slots -= len(job.samples)
         for seq_id, tokens in job.finished:
             if retain:
-                self.prompt_store.add(seq_id, tokens)
+                self.prompt_store.add(seq_id, tokens, job.prompt_len)
             else:
                 self.cache.seq_rm(seq_id)
         job.finished.clear()
@@ -462,6 +471,16 @@ class Scheduler:
 
     def waiting_handles(self) -> list[RequestHandle]:
         return [job.handle for job in self.waiting]
+
+
+def _continues(match: Match) -> bool:
+    """Whether a prompt continues the retained conversation it matches: it shares the
+    whole of the entry's prompt. The entry's tokens past the match are then the tail of a
+    reply the new prompt does not repeat (a reply retokenized, or cut where generation
+    stopped), which only a prompt repeating that exact reply would reuse; so the request
+    takes the sequence over, rewound to the match, instead of forking it: no copy and no
+    second sequence (in batched-sequence, no second pool row)."""
+    return match.length >= match.entry.prompt_len
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:

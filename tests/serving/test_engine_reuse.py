@@ -77,6 +77,29 @@ def test_a_conversation_that_extends_a_retained_one_reuses_it_and_equals_a_cold_
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("kind", KINDS)
+def test_a_conversation_resent_with_a_different_reply_tail_takes_over_its_sequence(programs, oracle, kind, family):
+    engine = Engine(programs(family), kind, capacity=600, max_batch_tokens=32, prompt_cache_tokens=600)
+    first_prompt = SYSTEM + [41, 42, 43]
+    (first,) = run(engine, greedy(first_prompt))
+    (entry,) = engine.prompt_store
+    reply = first.result(timeout=0).samples[0].tokens
+    # The client resends the reply retokenized: it differs from the held one after 5 tokens.
+    second_prompt = first_prompt + reply[:5] + [reply[5] + 1, 44, 45]
+    handle = engine.submit(greedy(second_prompt))
+    engine.step()
+    # Taken over, not forked: the retained sequence is the request's own, and no other.
+    assert engine.cache.live_seqs() == (entry.seq_id,)
+    assert len(engine.prompt_store) == 0
+    engine.run()
+    assert_cold(oracle, family, second_prompt, handle)
+    assert handle.stats.cached_tokens == len(first_prompt) + 5
+    assert [list(e.tokens) for e in engine.prompt_store] == [
+        held_tokens(second_prompt, handle.result(timeout=0).samples[0].tokens)]
+    check_store(engine)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("kind", KINDS)
 def test_a_prompt_that_diverges_mid_prompt_forks_the_shared_part(programs, oracle, kind, family):
     engine = Engine(programs(family), kind, capacity=600, max_batch_tokens=32, prompt_cache_tokens=600)
     run(engine, greedy(SYSTEM + [41, 42, 43]))

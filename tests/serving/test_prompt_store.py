@@ -33,10 +33,10 @@ class StoreMachine(RuleBasedStateMachine):
         seq_id, _ = self.model.pop(index)
         self.expected_released.append(seq_id)
 
-    @rule(tokens=TOKENS)
-    def add(self, tokens):
+    @rule(tokens=TOKENS, prompt_len=st.integers(0, 12))
+    def add(self, tokens, prompt_len):
         seq_id, self.next_id = self.next_id, self.next_id + 1
-        self.store.add(seq_id, tokens)
+        self.store.add(seq_id, tokens, min(prompt_len, len(tokens)))
         longer = [i for i, (_, t) in enumerate(self.model) if t[: len(tokens)] == tokens]
         if longer or not 0 < len(tokens) <= self.budget:
             if longer:  # the first (oldest) such entry is used instead
@@ -63,6 +63,15 @@ class StoreMachine(RuleBasedStateMachine):
             index = [s for s, _ in self.model].index(best.seq_id)
             self.model.append(self.model.pop(index))
 
+    @rule(data=st.data())
+    def take(self, data):
+        if not self.model:
+            return
+        entry = data.draw(st.sampled_from(list(self.store)))
+        assert self.store.take(entry) == entry.seq_id
+        assert entry not in self.store
+        self.model.pop([s for s, _ in self.model].index(entry.seq_id))  # gone, not released
+
     @rule()
     def evict(self):
         evicted = self.store.evict_lru()
@@ -86,8 +95,8 @@ TestPromptStore.settings = settings(max_examples=200, stateful_step_count=30, de
 def test_evicting_spares_the_entry_asked_for():
     released: list[int] = []
     store = PromptStore(100, released.append)
-    store.add(1, [1, 2, 3])
-    store.add(2, [4, 5])
+    store.add(1, [1, 2, 3], 2)
+    store.add(2, [4, 5], 1)
     keep = next(iter(store))
     assert store.evict_lru(keep) and released == [2]
     assert not store.evict_lru(keep) and len(store) == 1
