@@ -10,6 +10,7 @@
 #   batches.log        --batches 8,32,64: batched-sequence vs mlx-lm's BatchGenerator, bf16
 #   decode_whole.log   segments (today's capture) vs the whole step as one compiled function, bf16
 #   kinds.log          --batches 8,32,64 on both batched layouts (sequence vs cell) and mlx-lm, bf16
+#   kv_write.log       bench/kv_write.py: a B=32 decode step's K/V writes by form (flat put_along_axis, scatter)
 #   moe.log            bench/moe.py: Qwen3-30B-A3B layer shapes x 4 layers, B=1,8,32 vs mlx-lm (needs
 #                      .gpu/moe30-bf16.pte.gz, written by bench/moe.py --export-only: see its docstring)
 #
@@ -71,6 +72,7 @@ step decode_whole 75 "$PY" bench/gpu_decode.py --pte bf16=.gpu/llama1b-bf16.pte.
     --generate 128 --rounds 5 --capture on --whole-step --skip mlx-lm --skip hf --skip hf-static
 step kinds 240 "$PY" bench/gpu_decode.py --pte bf16=.gpu/llama1b-bf16.pte.gz "${COMMON[@]}" --prompt 128 \
     --generate 64 --batches 8,32,64 --kinds batched-sequence,batched-cell
+step kv_write 60 "$PY" bench/kv_write.py --site "$SITE"
 step moe 300 "$PY" bench/moe.py --shape 30b-a3b --layers 4 --hf-dir /tmp/moe30 --pte .gpu/moe30-bf16.pte.gz \
     --dtype bfloat16 --site "$SITE" --work /tmp/bench_moe --batches 1,8,32
 grep -h -A3 "median of per-round" "$OUT"/decode_*.log

@@ -11,7 +11,12 @@ token (first content chunk) p50/p95 over all requests and over turns 2+, aggrega
 completion tokens per second of the whole workload, prompt tokens the server reports
 as cached. mlx-pte's two runs must reply identically (greedy): the script says if not.
 
-Target (issue 11): TTFT p50 with reuse <= 0.5x without, and <= mlx-lm's.
+``--rounds N`` runs every server once per round, in turn, so a drift in the machine's
+speed hits the servers of a round alike; the summary gives each figure's median over the
+rounds and each ratio as the median of the per-round ratios.
+
+Targets: TTFT p50 with reuse <= 0.5x without (issue 11); TTFT p50 and p95 <= mlx-lm's and
+aggregate tok/s >= 1.2x mlx-lm's (issue 22).
 """
 from __future__ import annotations
 
@@ -25,6 +30,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Sequence
 
 import httpx
 
@@ -196,6 +202,7 @@ def main() -> None:
     parser.add_argument("--only", default="mlx-pte-reuse,mlx-pte-cold,mlx-lm", help="servers to run, comma-separated")
     parser.add_argument("--log-dir", default=".", help="where each server's log goes")
     parser.add_argument("--json", default=None, help="also write every turn's figures here")
+    parser.add_argument("--rounds", type=int, default=1, help="rounds, each running every server in turn")
     args = parser.parse_args()
 
     serve = [sys.executable, "-m", "mlx_pte", "serve", args.pte, "--model-id", "mlx-pte"]
@@ -204,39 +211,74 @@ def main() -> None:
         "mlx-pte-cold": (serve + ["--prompt-cache-tokens", "0"], "mlx-pte"),
         "mlx-lm": ([sys.executable, "-c", MLX_LM_SERVER, "--model", args.hf_dir], args.hf_dir),
     }
-    runs = {}
-    for i, name in enumerate(n for n in args.only.split(",") if n):
-        command, model = servers[name]
-        port = args.port + i
-        runs[name] = run = run_server(name, command + ["--port", str(port)], port, model, args)
-        print(f"{name}: done in {run.wall:.1f} s: {row(name, run)}", file=sys.stderr, flush=True)
-        if args.json:  # after each server, so a later failure loses nothing
-            Path(args.json).write_text(json.dumps(
-                {name: {"wall": run.wall, "turns": [vars(t) for t in run.turns]} for name, run in runs.items()},
-                indent=1))
+    names = [n for n in args.only.split(",") if n]
+    rounds: list[dict[str, Run]] = []
+    for number in range(args.rounds):
+        runs: dict[str, Run] = {}
+        rounds.append(runs)
+        for i, name in enumerate(names):
+            command, model = servers[name]
+            port = args.port + i
+            runs[name] = run = run_server(name, command + ["--port", str(port)], port, model, args)
+            print(f"round {number + 1}/{args.rounds} {name}: done in {run.wall:.1f} s: {row(name, run)}",
+                  file=sys.stderr, flush=True)
+            if args.json:  # after each server, so a later failure loses nothing
+                Path(args.json).write_text(json.dumps(
+                    [{n: {"wall": r.wall, "turns": [vars(t) for t in r.turns]} for n, r in rs.items()}
+                     for rs in rounds], indent=1))
 
-    print(f"\n{args.conversations} conversations x {args.turns} turns, max_tokens {args.max_tokens}, greedy; "
-          "times in ms (a shared machine: noisy)\n")
+    print(f"\n{args.conversations} conversations x {args.turns} turns, max_tokens {args.max_tokens}, greedy, "
+          f"{args.rounds} round(s); times in ms (a shared machine: noisy)\n")
     print(f"{'server':<15} {'TTFT p50':>9} {'TTFT p95':>9} {'turns 2+ p50':>13} {'p95':>7} {'tok/s':>7} "
           f"{'prompt tok':>11} {'cached':>8}")
-    for name, run in runs.items():
-        print(row(name, run))
-    p50 = {name: percentile(run.ttft(), 50) for name, run in runs.items()}
-    if "mlx-pte-reuse" in runs and "mlx-pte-cold" in runs:
-        print(f"\nTTFT p50 reuse / cold: {p50['mlx-pte-reuse'] / p50['mlx-pte-cold']:.2f} (target <= 0.5)")
-        same = {(t.conversation, t.turn): t.text for t in runs["mlx-pte-reuse"].turns} == {
-            (t.conversation, t.turn): t.text for t in runs["mlx-pte-cold"].turns}
+    for number, runs in enumerate(rounds):
+        for name, run in runs.items():
+            print(row(name, run) + (f"  (round {number + 1})" if args.rounds > 1 else ""))
+    if args.rounds > 1:
+        print("medians over the rounds:")
+        for name in names:
+            print(median_row(name, [runs[name] for runs in rounds]))
+
+    def ratio(figure, a: str, b: str) -> float:
+        return statistics.median(figure(runs[a]) / figure(runs[b]) for runs in rounds)
+
+    def p50(run: Run) -> float:
+        return percentile(run.ttft(), 50)
+
+    def p95(run: Run) -> float:
+        return percentile(run.ttft(), 95)
+
+    if "mlx-pte-reuse" in names and "mlx-pte-cold" in names:
+        print(f"\nTTFT p50 reuse / cold: {ratio(p50, 'mlx-pte-reuse', 'mlx-pte-cold'):.2f} (target <= 0.5)")
+        same = all({(t.conversation, t.turn): t.text for t in runs["mlx-pte-reuse"].turns} == {
+            (t.conversation, t.turn): t.text for t in runs["mlx-pte-cold"].turns} for runs in rounds)
         print(f"mlx-pte replies with and without reuse identical: {same}")
-    if "mlx-pte-reuse" in runs and "mlx-lm" in runs:
-        print(f"TTFT p50 reuse / mlx-lm: {p50['mlx-pte-reuse'] / p50['mlx-lm']:.2f} (target <= 1)")
-        print(f"aggregate tok/s reuse / mlx-lm: {runs['mlx-pte-reuse'].tps / runs['mlx-lm'].tps:.2f}")
+    if "mlx-pte-reuse" in names and "mlx-lm" in names:
+        print(f"TTFT p50 reuse / mlx-lm: {ratio(p50, 'mlx-pte-reuse', 'mlx-lm'):.2f} (target <= 1)")
+        print(f"TTFT p95 reuse / mlx-lm: {ratio(p95, 'mlx-pte-reuse', 'mlx-lm'):.2f} (target <= 1)")
+        print(f"aggregate tok/s reuse / mlx-lm: {ratio(lambda r: r.tps, 'mlx-pte-reuse', 'mlx-lm'):.2f} "
+              "(target >= 1.2)")
+
+
+def figures(run: Run) -> tuple[float, ...]:
+    """TTFT p50, p95, turns-2+ p50, p95 (ms), tok/s, prompt tokens, cached tokens."""
+    all_ttft, later = run.ttft(), run.ttft(1) or [float("nan")]  # one turn: no later turns
+    return (1e3 * percentile(all_ttft, 50), 1e3 * percentile(all_ttft, 95), 1e3 * percentile(later, 50),
+            1e3 * percentile(later, 95), run.tps, sum(t.prompt_tokens for t in run.turns),
+            sum(t.cached_tokens for t in run.turns))
+
+
+def format_row(name: str, values: Sequence[float]) -> str:
+    widths, points = (9, 9, 13, 7, 7, 11, 8), (0, 0, 0, 0, 1, 0, 0)
+    return f"{name:<15} " + " ".join(f"{v:>{w}.{p}f}" for v, w, p in zip(values, widths, points))
+
+
+def median_row(name: str, runs: list[Run]) -> str:
+    return format_row(name, [statistics.median(column) for column in zip(*(figures(r) for r in runs))])
 
 
 def row(name: str, run: Run) -> str:
-    all_ttft, later = run.ttft(), run.ttft(1) or [float("nan")]  # one turn: no later turns
-    return (f"{name:<15} {1e3 * percentile(all_ttft, 50):>9.0f} {1e3 * percentile(all_ttft, 95):>9.0f} "
-            f"{1e3 * percentile(later, 50):>13.0f} {1e3 * percentile(later, 95):>7.0f} {run.tps:>7.1f} "
-            f"{sum(t.prompt_tokens for t in run.turns):>11} {sum(t.cached_tokens for t in run.turns):>8}")
+    return format_row(name, figures(run))
 
 
 if __name__ == "__main__":

@@ -51,6 +51,12 @@ class CacheBase(Generic[PlanT]):
     def is_declared(self) -> bool:
         return self._plan is not None
 
+    def new_seq_allocates(self) -> bool:
+        """Whether one more sequence (``seq_new`` or a fork) would make the cache allocate
+        storage it does not hold yet. Kinds whose storage does not grow with the number of
+        sequences answer False."""
+        return False
+
     @property
     def step_plan(self) -> PlanT:
         """The declared step's plan; StepStateError when no step is declared."""
@@ -143,6 +149,15 @@ class IdPool:
                 f"all {self.limit} sequence slots are in use; remove a sequence with seq_rm()"
             )
         return ALLOWED
+
+    @property
+    def high_water(self) -> int:
+        """One past the highest id ever handed out (since the last ``clear``)."""
+        return self._next
+
+    def peek(self) -> int:
+        """The id ``take`` would hand out next."""
+        return self._released[0] if self._released else self._next
 
     def take(self) -> int:
         verdict = self.check_room()

@@ -44,6 +44,14 @@ class BatchedSequenceCache(SequenceAdmission, CacheBase[SequenceStepPlan]):
     def held(self) -> int:
         return self._held
 
+    def new_seq_allocates(self) -> bool:
+        # A sequence's id is its storage row, and every row spans the longest history.
+        return self._ids.peek() >= self._rows_allocated()
+
+    def _rows_allocated(self) -> int:
+        """Storage rows held; without storage, every id handed out so far had a row."""
+        return self._ids.high_water
+
     def free(self) -> int:
         return self.capacity - self._held
 

@@ -172,6 +172,9 @@ class MLXBatchedSequenceCache(SequencePools, BatchedSequenceCache):
         super().__init__(geometry, config)
         self._init_pools(max_rows=config.max_seqs or MAX_INDEX)
 
+    def _rows_allocated(self) -> int:
+        return max(max(pools.k.rows, pools.v.rows) for pools in self._pools)
+
     def _release_sequence(self, seq_id: int) -> None:
         # A row is reused by the next sequence of that id (stale slots are never read:
         # runs and masks stop at the sequence's own positions); with no sequence left,

@@ -17,9 +17,11 @@ carries the reason on its handle (``waiting_reason``).
 
 With a prompt store, a finished request's sequences stay in the cache keyed by the tokens
 they hold; a later prompt sharing a prefix forks one (``seq_clone``) and prefills only the
-rest, or, where it continues that conversation, takes the sequence over (``rewind``). Retained sequences use only room no admitted request has reserved: admission evicts
-them, least recently used first, before a request would have to wait, so whether and when
-a request starts is decided as without the store.
+rest, or, where it continues that conversation, takes the sequence over (``rewind``).
+Retained sequences use only room no admitted request has reserved: admission evicts
+them, least recently used first, before a request would have to wait (so whether and when
+a request starts is decided as without the store) and before a new sequence would make
+the cache allocate storage (``new_seq_allocates``).
 
 Requests admitted beside a running prompt that shares at least ``MIN_SHARE`` leading
 tokens with theirs (more than any retained sequence) prefill that part once: admitted as
@@ -296,6 +298,7 @@ class Scheduler:
             return None
         alive = running and seq is not None
         seq_id = None
+        self._room_for_a_sequence()
         if alive and self.cache.can_clone(seq, length):  # type: ignore[arg-type]
             seq_id = self.cache.seq_clone(seq, length)  # type: ignore[arg-type]
             job.fed = length
@@ -365,6 +368,7 @@ class Scheduler:
                 seq_id = self.prompt_store.take(entry)
                 self.cache.rewind(seq_id, match.length)
             elif self.cache.can_clone(entry.seq_id, match.length):
+                self._room_for_a_sequence(keep=entry)
                 seq_id = self.cache.seq_clone(entry.seq_id, match.length)
                 self.prompt_store.touch(entry)
             else:
@@ -372,7 +376,18 @@ class Scheduler:
             job.fed = match.length
             break
         self._shrink_store(job.footprint, len(job.samples))
-        return seq_id if seq_id is not None else self.cache.seq_new()
+        if seq_id is None:
+            self._room_for_a_sequence()
+            seq_id = self.cache.seq_new()
+        return seq_id
+
+    def _room_for_a_sequence(self, keep: Optional[Retained] = None) -> None:
+        """Evict retained sequences (least recently used first, ``keep`` spared) while one
+        more sequence would make the cache allocate storage: retained prompts live in
+        memory the cache already holds and never make it grow (in batched-sequence a
+        sequence is a pool row as long as the longest history, in every layer)."""
+        while self.cache.new_seq_allocates() and self.prompt_store.evict_lru(keep):
+            pass
 
     def _shrink_store(self, units: int = 0, seqs: int = 0, keep: Optional[Retained] = None) -> None:
         """Evict retained sequences (least recently used first, ``keep`` spared) until they
@@ -397,6 +412,7 @@ class Scheduler:
             else:  # the prompt is in: one sequence per extra sample
                 first = job.samples[0]
                 for fork in job.samples[1:]:
+                    self._room_for_a_sequence()
                     fork.seq_id = self.cache.seq_clone(first.seq_id, job.prompt_len)  # type: ignore[arg-type]
                     fork.length = job.prompt_len
         for i, d in enumerate(draws):

@@ -103,7 +103,7 @@ def test_a_conversation_resent_with_a_different_reply_tail_takes_over_its_sequen
 def test_a_prompt_that_diverges_mid_prompt_forks_the_shared_part(programs, oracle, kind, family):
     engine = Engine(programs(family), kind, capacity=600, max_batch_tokens=32, prompt_cache_tokens=600)
     run(engine, greedy(SYSTEM + [41, 42, 43]))
-    for split in (3, 35):
+    for split in (35, 3):
         prompt = SYSTEM[:split] + [500 + split, 501, 502, 503]
         (handle,) = run(engine, greedy(prompt))
         assert_cold(oracle, family, prompt, handle)
@@ -114,6 +114,25 @@ def test_a_prompt_that_diverges_mid_prompt_forks_the_shared_part(programs, oracl
         else:
             assert handle.stats.cached_tokens == split
         check_store(engine)
+
+
+def test_retained_prompts_give_way_before_a_new_sequence_grows_the_pools(programs, oracle):
+    engine = Engine(programs("llama"), "batched-sequence", capacity=600, max_batch_tokens=32,
+                    prompt_cache_tokens=600)
+    rows = lambda: engine.cache._pools[0].k.rows  # noqa: E731  (every layer's pools grow together)
+    firsts = [[100 + i, 1, 2, 3] for i in range(3)]
+    run(engine, *(greedy(p) for p in firsts))
+    assert len(engine.prompt_store) == 3 and rows() == 4  # rows double: 1, 2, 4
+    # The fourth row is allocated already: a cold request takes it, every entry stays.
+    run(engine, greedy([200, 1, 2, 3]))
+    assert len(engine.prompt_store) == 4 and rows() == 4
+    # A fifth row would double the pools: the least recently used entry gives way instead.
+    (handle,) = run(engine, greedy([300, 1, 2, 3]))
+    assert_cold(oracle, "llama", [300, 1, 2, 3], handle)
+    assert rows() == 4
+    kept = sorted(int(e.tokens[0]) for e in engine.prompt_store)
+    assert len(kept) == 4 and 200 in kept and 300 in kept
+    check_store(engine)
 
 
 @pytest.mark.parametrize("family", ("llama", "gemma3"))

@@ -56,6 +56,7 @@ class ShadowCache:
         self._cache = cache
         self.shadow: dict[int, list[int]] = {}
         self.blocked = False
+        self.store: PromptStore = PromptStore(0, cache.seq_rm)  # the scheduler's, once made
 
     def __getattr__(self, name):
         return getattr(self._cache, name)
@@ -64,11 +65,13 @@ class ShadowCache:
         return Verdict(REFUSAL) if self.blocked else self._cache.check_step(step)
 
     def seq_new(self) -> int:
+        self.check_growth()
         seq = self._cache.seq_new()
         self.shadow[seq] = []
         return seq
 
     def seq_clone(self, src: int, upto: int) -> int:
+        self.check_growth(src)
         seq = self._cache.seq_clone(src, upto)
         self.shadow[seq] = self.shadow[src][:upto]
         return seq
@@ -81,6 +84,12 @@ class ShadowCache:
         self._cache.rewind(seq, position)
         del self.shadow[seq][position:]
 
+    def check_growth(self, source: Optional[int] = None) -> None:
+        """Retained prompts never make the cache allocate: a new sequence that would finds
+        none retained, but the one it forks from."""
+        if self._cache.new_seq_allocates():
+            assert {e.seq_id for e in self.store} <= {source}, "a retained prompt made the cache grow"
+
 
 def machine(kind: str):
     class SchedulerMachine(RuleBasedStateMachine):
@@ -92,7 +101,7 @@ def machine(kind: str):
             config = CacheConfig(capacity, max_write=budget, max_seqs=max_seqs)
             self.cache = ShadowCache(CACHE_FACTORY.build(NEUTRAL_BACKEND, kind, geometry, config))
             limits = Limits(budget, capacity, MAX_CONTEXT, self.cache.max_seqs())
-            self.store = PromptStore(store, self.cache.seq_rm)
+            self.store = self.cache.store = PromptStore(store, self.cache.seq_rm)
             self.sched = Scheduler(self.cache, limits, self.store)
             self.next_id = 0
             self.jobs: list[Job] = []  # submitted, not ended

@@ -205,3 +205,14 @@ def test_usage_reports_logical_and_physical():
     # flat rows: the lengths; ring rows: min(written, slots) per sequence.
     assert usage.physical_slots == (5 + 2) + (4 + 2)
     assert cache.pos(fork) == 4
+
+
+def test_a_new_sequence_allocates_only_past_the_rows_ever_used():
+    cache = rows()
+    assert cache.new_seq_allocates()  # nothing held: the first sequence takes a new row
+    a, _ = cache.seq_new(), cache.seq_new()
+    assert cache.new_seq_allocates()
+    cache.seq_rm(a)
+    assert not cache.new_seq_allocates()  # a's row is free again
+    cache.seq_new()
+    assert cache.new_seq_allocates()

@@ -211,3 +211,17 @@ def test_removing_every_sequence_hands_memory_back():
     d.prefill(a, 0, 3)
     d.cache.seq_rm(a)
     assert d.cache._pools[0].k.data is None
+
+
+def test_a_new_sequence_allocates_exactly_when_its_first_write_grows_the_pools():
+    d = make_driver(KIND, [0, 2], max_write=3)
+    grew = []
+    for _ in range(6):
+        predicted = d.cache.new_seq_allocates()
+        before = [(p.k.rows, p.v.rows) for p in d.cache._pools]
+        s = d.cache.seq_new()
+        d.check([s], [0])
+        after = [(p.k.rows, p.v.rows) for p in d.cache._pools]
+        assert predicted == (after != before)
+        grew.append(predicted)
+    assert grew == [True, True, True, False, True, False]  # rows double: 1, 2, 4, 4, 8, 8
