@@ -31,11 +31,13 @@ import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Optional
+from functools import partial
+from typing import Any, Callable, Optional
 
 import numpy as np
 
-from decode_table import Rates, print_table
+from decode_table import Key, Rates, print_table
+from rounds import median_rates, print_round_ratios, run_rounds
 from variants import QUANTIZED, bits_of, parse_pte
 
 FULL = "fp32"  # this bench's full-precision label
@@ -193,7 +195,11 @@ def main() -> None:
                              "instead of exporting")
     parser.add_argument("--capture", choices=tuple(CAPTURES), default="on",
                         help="mlx-pte with capture (compiled segments), without (the walk), or both rows")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="rounds, each timing every row once in turn; medians and per-round ratios")
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
     if (args.model_dir is None) == (args.make_model is None):
         parser.error("give MODEL_DIR or --make-model DIR")
     if args.generate < 2:
@@ -210,7 +216,7 @@ def main() -> None:
     prompt = np.random.default_rng(0).integers(0, vocab, args.prompt).tolist()
     common = dict(prompt=prompt, generate=args.generate)
     labels = list(dict.fromkeys([FULL, *given, *args.quantize]))
-    rows: dict[tuple[str, str], Rates] = {}
+    runners: dict[Key, Callable[[], Rates]] = {}
     with tempfile.TemporaryDirectory() as work:
         for label in labels:
             bits: Optional[int] = bits_of(label)
@@ -219,14 +225,21 @@ def main() -> None:
             print(f"mlx-pte {label}: {pte.stat().st_size:,} bytes", flush=True)
             for capture in CAPTURES[args.capture]:
                 engine = "mlx-pte" if capture else "mlx-pte-walk"
-                rows[engine, label] = timed(engine, "mlx-pte", label, pte=str(pte), capture=capture, **common)
+                runners[engine, label] = partial(timed, engine, "mlx-pte", label, pte=str(pte), capture=capture,
+                                                 **common)
             if "mlx-lm" not in args.skip:
-                rows["mlx-lm", label] = timed("mlx-lm", "mlx-lm", label, model_dir=str(model_dir), bits=bits,
-                                              group_size=args.group_size, **common)
-    if "hf" not in args.skip:
-        rows["hf-eager", FULL] = timed("hf-eager", "hf-eager", FULL, model_dir=str(model_dir), **common)
+                runners["mlx-lm", label] = partial(timed, "mlx-lm", "mlx-lm", label, model_dir=str(model_dir),
+                                                   bits=bits, group_size=args.group_size, **common)
+        if "hf" not in args.skip:
+            runners["hf-eager", FULL] = partial(timed, "hf-eager", "hf-eager", FULL, model_dir=str(model_dir),
+                                                **common)
+        rounds = run_rounds(runners, args.rounds)
+    rows = {key: median_rates(per_round) for key, per_round in rounds.items()}
     print_table(f"{model_dir}: prompt {args.prompt}, generate {args.generate}, float32 activations, "
-                f"groups of {args.group_size}, device {run_job('device')}, one process per row", rows)
+                f"groups of {args.group_size}, device {run_job('device')}, one process per row"
+                + (f", medians of {args.rounds} interleaved rounds" if args.rounds > 1 else ""), rows)
+    if args.rounds > 1:
+        print_round_ratios(rounds)
 
 
 if __name__ == "__main__":
