@@ -150,8 +150,12 @@ class Pool:
         self.reserve(top_row + 1, top_slot + 1)
         self.write(self.scatter_index(slots, rows, top_row), update)
 
-    def scatter_index(self, slots: mx.array, rows: Optional[mx.array] = None, top_row: int = 0) -> mx.array:
-        """The flat index ``write`` takes for tokens at ``(rows[i], slots[i])``.
+    def scatter_index(
+        self, slots: mx.array, rows: Optional[mx.array] = None, top_row: int = 0, heads_first: bool = False
+    ) -> mx.array:
+        """The flat index ``write`` takes for tokens at ``(rows[i], slots[i])``, listing
+        them token by token (each token's heads together) or, with ``heads_first``, head by
+        head: the order in which ``write`` reads the values (see there).
 
         It depends only on the pool's shape (not its dim), so the K and V pools of every
         layer with the same heads and slots share one per step. Call after ``reserve``.
@@ -161,18 +165,31 @@ class Pool:
         # (row, head, slot); a reshape of the contiguous pool is free.
         wide = rows_ * heads * slots_ > MAX_INDEX  # int32 indices would overflow
         itype = mx.int64 if wide else mx.int32
-        base = mx.arange(heads, dtype=itype)[None, :] * slots_ + cast(slots, itype)[:, None]
+        where = cast(slots, itype)
         if rows is not None and top_row > 0:  # rows all 0 add nothing
-            base = base + (cast(rows, itype) * (heads * slots_))[:, None]
+            where = where + cast(rows, itype) * (heads * slots_)
+        head_base = mx.arange(heads, dtype=itype) * slots_
+        base = head_base[:, None] + where[None, :] if heads_first else where[:, None] + head_base[None, :]
         return base.reshape(-1, 1)
 
-    def write(self, index: mx.array, update: mx.array) -> None:
-        """Write ``update`` ([1, H, T, D]) at ``index`` (``scatter_index`` of its tokens)."""
+    def write(self, index: mx.array, update: mx.array, heads_first: bool = False) -> None:
+        """Write ``update`` ([1, H, T, D]) at ``index`` (``scatter_index`` of its tokens, in
+        the same order).
+
+        The scatter reads the values as rows of ``[T*H, D]`` (tokens first) or ``[H*T, D]``
+        (heads first); that reshape is free only where it matches how ``update`` is laid
+        out, and otherwise copies it. RoPE's output (K) is contiguous as ``[1, H, T, D]``:
+        heads first; a projection seen through a transpose (V) is contiguous as
+        ``[1, T, H, D]``: tokens first (``bench/kv_write.py``: one copy kernel per
+        mismatched write on the H200).
+        """
         tokens = index.shape[0] // self.heads
         self._check_update(update, tokens)
         rows_, heads, slots_, dim = self.data.shape
         # squeeze, not [0]: an integer index is a gather in MLX, a squeeze a view.
-        values = cast(update, self.dtype).squeeze(0).transpose(1, 0, 2).reshape(tokens * heads, dim)
+        values = cast(update, self.dtype).squeeze(0)
+        values = values if heads_first else values.transpose(1, 0, 2)
+        values = values.reshape(tokens * heads, dim)
         flat = self.data.reshape(rows_ * heads * slots_, dim)
         self.data = mx.put_along_axis(flat, index, values, axis=0).reshape(rows_, heads, slots_, dim)
 

@@ -127,13 +127,15 @@ class SequencePools:
             at = self._memo.get(plan, ("slots", index), lambda: token_slots(plan, layout))
             for pool in (pools.k, pools.v):
                 pool.reserve(at.top_row + 1, at.top_slot + 1)
-            # One flat index per step per layout and pool shape, shared by K, V and layers.
-            where = self._memo.get(
-                plan, ("index", index, pools.k.data.shape[:3]),
-                lambda: pools.k.scatter_index(at.slots, at.rows, at.top_row),
-            )
-            pools.k.write(where, k)
-            pools.v.write(where, v)
+            # Flat indices once per step per layout and pool shape, shared by the layers:
+            # K's heads first, V's tokens first, each in the order its values lie (Pool.write).
+            shape = pools.k.data.shape[:3]
+            for pool, values, heads_first in ((pools.k, k, True), (pools.v, v, False)):
+                where = self._memo.get(
+                    plan, ("index", index, shape, heads_first),
+                    lambda: pool.scatter_index(at.slots, at.rows, at.top_row, heads_first),
+                )
+                pool.write(where, values, heads_first)
         batch: Optional[PaddedBatch] = self._memo.get(
             plan, ("batch", index), lambda: plan_padded(runs, layout)
         )

@@ -114,6 +114,23 @@ def test_scatter_places_tokens_in_their_rows():
     np.testing.assert_array_equal(np.array(pool.window(2, 4, 3)), want[2:4, :, :3])
 
 
+@pytest.mark.parametrize("layout", ["heads-contiguous", "tokens-contiguous"])
+@pytest.mark.parametrize("heads_first", [True, False])
+def test_both_index_orders_place_tokens_in_their_rows_whatever_the_values_layout(heads_first, layout):
+    pool = Pool(H, D, mx.float32, max_slots=8, first_slots=8, max_rows=4)
+    rows, slots = [2, 0, 3], [0, 5, 2]
+    pool.reserve(4, 8)
+    values = mx.array(tokens(3))
+    if layout == "tokens-contiguous":  # [1, T, H, D] seen as [1, H, T, D], as V arrives
+        values = mx.array(np.ascontiguousarray(tokens(3).transpose(0, 2, 1, 3))).transpose(0, 2, 1, 3)
+    index = pool.scatter_index(mx.array(slots, mx.int32), mx.array(rows, mx.int32), 3, heads_first)
+    pool.write(index, values, heads_first)
+    want = np.zeros((4, H, 8, D), np.float32)
+    for t, (row, slot) in enumerate(zip(rows, slots)):
+        want[row, :, slot] = tokens(3)[0, :, t]
+    np.testing.assert_array_equal(np.array(pool.data), want)
+
+
 def test_a_row_prefix_copies_only_the_prefix_and_leaves_the_source():
     pool = Pool(H, D, mx.float32, max_slots=16, first_slots=8, max_rows=4)
     write(pool, 0, tokens(6), row=0)
