@@ -39,6 +39,14 @@ def assert_cold(oracle, family, prompt, handle, max_tokens=GEN):
         assert sample.tokens == expected
 
 
+def first_turn(program, kind: str):
+    """An engine with a prompt store, after its first request: the engine, the prompt, the handle."""
+    engine = Engine(program, kind, capacity=600, max_batch_tokens=32, prompt_cache_tokens=600)
+    prompt = SYSTEM + [41, 42, 43]
+    (handle,) = run(engine, greedy(prompt))
+    return engine, prompt, handle
+
+
 def check_store(engine: Engine) -> None:
     """The store's sequences are live, hold what it says, and fit beside the reservations."""
     store = engine.prompt_store
@@ -54,9 +62,7 @@ def check_store(engine: Engine) -> None:
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_conversation_that_extends_a_retained_one_reuses_it_and_equals_a_cold_run(programs, oracle, kind, family):
-    engine = Engine(programs(family), kind, capacity=600, max_batch_tokens=32, prompt_cache_tokens=600)
-    first_prompt = SYSTEM + [41, 42, 43]
-    (first,) = run(engine, greedy(first_prompt))
+    engine, first_prompt, first = first_turn(programs(family), kind)
     assert_cold(oracle, family, first_prompt, first)
     assert first.stats.cached_tokens == 0
     reply = first.result(timeout=0).samples[0].tokens
@@ -78,9 +84,7 @@ def test_a_conversation_that_extends_a_retained_one_reuses_it_and_equals_a_cold_
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_conversation_resent_with_a_different_reply_tail_takes_over_its_sequence(programs, oracle, kind, family):
-    engine = Engine(programs(family), kind, capacity=600, max_batch_tokens=32, prompt_cache_tokens=600)
-    first_prompt = SYSTEM + [41, 42, 43]
-    (first,) = run(engine, greedy(first_prompt))
+    engine, first_prompt, first = first_turn(programs(family), kind)
     (entry,) = engine.prompt_store
     reply = first.result(timeout=0).samples[0].tokens
     # The client resends the reply retokenized: it differs from the held one after 5 tokens.
