@@ -81,7 +81,10 @@ def test_moe_matmuls_every_case(base, case, tmp_path):
     _check(base, case, tmp_path)
 
 
+# Upstream's exporter lowers every case of the suite (most of the time): on 2 busy cores it
+# ran past the suite's default 600 s (a clean-clone `make test-slow`, tier 36 min that day).
 @pytest.mark.slow
+@pytest.mark.timeout(1800)
 def test_whole_suite_table(capsys):
     results = run_suite()
     with capsys.disabled():
