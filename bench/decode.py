@@ -30,8 +30,8 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict
-from pathlib import Path
 from functools import partial
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 import numpy as np

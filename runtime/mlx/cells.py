@@ -88,13 +88,10 @@ class MLXCellCache(CellCache):
         )
         for pool in (pools.k, pools.v):
             pool.reserve(1, top + 1)
-        # K's index heads first, V's tokens first: each in the order its values lie (Pool.write).
         shape = pools.k.data.shape[:3]
-        for pool, values, heads_first in ((pools.k, k, True), (pools.v, v, False)):
-            where = self._memo.get(
-                plan, ("index", shape, heads_first), lambda: pool.scatter_index(cells, heads_first=heads_first)
-            )
-            pool.write(where, values, heads_first)
+        pools.write(k, v, lambda heads_first: self._memo.get(
+            plan, ("index", shape, heads_first), lambda: pools.k.scatter_index(cells, heads_first=heads_first)
+        ))
         keys = pools.k.read(0, 0, plan.read_len)
         values = pools.v.read(0, 0, plan.read_len)
         window = geo.policy.window

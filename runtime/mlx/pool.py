@@ -19,7 +19,7 @@ Invariants:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from mlx_pte.runtime.mlx.bootstrap import mx
 
@@ -263,6 +263,13 @@ class LayerPools:
 
     k: Pool
     v: Pool
+
+    def write(self, k: mx.array, v: mx.array, index: Callable[[bool], mx.array]) -> None:
+        """Write a step's K and V, each through ``index(heads_first)`` (the caller's
+        ``scatter_index`` of the step's tokens, shared by the layers): K heads first, V
+        tokens first, each in the order its values lie (``Pool.write``)."""
+        for pool, values, heads_first in ((self.k, k, True), (self.v, v, False)):
+            pool.write(index(heads_first), values, heads_first)
 
 
 def layer_pools(

@@ -127,15 +127,12 @@ class SequencePools:
             at = self._memo.get(plan, ("slots", index), lambda: token_slots(plan, layout))
             for pool in (pools.k, pools.v):
                 pool.reserve(at.top_row + 1, at.top_slot + 1)
-            # Flat indices once per step per layout and pool shape, shared by the layers:
-            # K's heads first, V's tokens first, each in the order its values lie (Pool.write).
+            # Flat indices once per step per layout, pool shape and order, shared by the layers.
             shape = pools.k.data.shape[:3]
-            for pool, values, heads_first in ((pools.k, k, True), (pools.v, v, False)):
-                where = self._memo.get(
-                    plan, ("index", index, shape, heads_first),
-                    lambda: pool.scatter_index(at.slots, at.rows, at.top_row, heads_first),
-                )
-                pool.write(where, values, heads_first)
+            pools.write(k, v, lambda heads_first: self._memo.get(
+                plan, ("index", index, shape, heads_first),
+                lambda: pools.k.scatter_index(at.slots, at.rows, at.top_row, heads_first),
+            ))
         batch: Optional[PaddedBatch] = self._memo.get(
             plan, ("batch", index), lambda: plan_padded(runs, layout)
         )
