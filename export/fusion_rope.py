@@ -1,18 +1,28 @@
 """Rotary-embedding chains → one ``rope`` (or ``rope_half``) per rotated tensor.
 
-HF's ``apply_rotary_pos_emb`` with ``rotate_half`` is::
+HF writes the rotation in two forms. ``apply_rotary_pos_emb`` with ``rotate_half``
+(most families) is::
 
     x * cos + cat(-x[..., d/2:], x[..., :d/2]) * sin
 
-with ``cos``/``sin`` tables of [1, T, d] unsqueezed to the heads axis. When the tables are
-HF's default rotary embedding of the token positions, ``cos(cat(f, f))`` with
-``f = positions.float() * inv_freq`` (attention scaling 1, rounded to x's dtype), the chain
-becomes ``rope(x, positions, inv_freq)``, which MLX runs on its fused kernel where it has
-one. Other tables (computed some other way) keep ``rope_half(x, cos, sin)``: the tables
-are computed once per forward by the graph and gathered by every layer.
+with ``cos``/``sin`` tables of [1, T, d] unsqueezed to the heads axis; gpt-oss's
+``_apply_rotary_emb`` chunks x into halves ``a, b`` and rotates them with half-width
+tables [1, T, d/2]::
+
+    cat(a * cos - b * sin, b * cos + a * sin)
+
+which is the same rotation. When the tables are HF's rotary embedding of the token
+positions, ``cos(cat(f, f)) * s`` (``cos(f) * s`` for the half-width form) with
+``f = positions.float() * inv_freq`` and ``s`` the attention scaling (1, or e.g. YaRN's),
+rounded to x's dtype, the chain becomes ``rope(x, positions, inv_freq)`` (``table_scale``
+s when s is not 1), which MLX runs on its fused kernel where it has one. Full-width
+tables computed some other way keep ``rope_half(x, cos, sin)``: the tables are computed
+once per forward by the graph and gathered by every layer; half-width ones lower op by op.
 """
 from __future__ import annotations
 
+import math
+import operator
 from typing import Any, Optional
 
 import torch
@@ -38,15 +48,16 @@ from .graph_builder import Builder, ep_constant, node_args, norm_dim, value_of
 
 
 def match_rope(ep: ExportedProgram, root: Node) -> Optional[Fusion]:
-    if not plain_add(root):
-        return None
-    for direct, rotated in both_orders(root):
-        if not (is_call(direct, aten.mul.Tensor) and is_call(rotated, aten.mul.Tensor)):
-            continue
-        for rot, sin in both_orders(rotated):
-            fusion = _rope_chain(ep, root, direct, rotated, rot, sin)
-            if fusion is not None:
-                return fusion
+    if plain_add(root):
+        for direct, rotated in both_orders(root):
+            if not (is_call(direct, aten.mul.Tensor) and is_call(rotated, aten.mul.Tensor)):
+                continue
+            for rot, sin in both_orders(rotated):
+                fusion = _rotate_half_chain(ep, root, direct, rotated, rot, sin)
+                if fusion is not None:
+                    return fusion
+    elif is_call(root, aten.cat.default):
+        return _chunk_chain(ep, root)
     return None
 
 
@@ -64,7 +75,12 @@ def _half_slice(node: Any, x: Node, start: int, end_at_least: int, half: int) ->
     )  # fmt: skip
 
 
-def _rope_chain(ep: ExportedProgram, root: Node, direct: Node, rotated: Node, rot: Any, sin: Any) -> Optional[Fusion]:
+def _along_last_dim(node: Node, dim: Any) -> bool:
+    rank = value_of(node).dim()
+    return norm_dim(dim, rank) == rank - 1
+
+
+def _rotate_half_chain(ep: ExportedProgram, root: Node, direct: Node, rotated: Node, rot: Any, sin: Any) -> Optional[Fusion]:
     if not (is_call(rot, aten.cat.default) and isinstance(sin, Node)):
         return None
     tensors, dim = node_args(rot)["tensors"], node_args(rot)["dim"]
@@ -74,7 +90,7 @@ def _rope_chain(ep: ExportedProgram, root: Node, direct: Node, rotated: Node, ro
     high = neg.args[0]
     x = low.args[0] if is_call(low, aten.slice_copy.Tensor) else None
     size = last_dim(x) if isinstance(x, Node) else None
-    if size is None or size % 2 or norm_dim(dim, value_of(rot).dim()) != value_of(rot).dim() - 1:
+    if size is None or size % 2 or not _along_last_dim(rot, dim):
         return None
     half = size // 2
     if not (_half_slice(low, x, 0, half, half) and _half_slice(high, x, half, size, half)):
@@ -92,26 +108,105 @@ def _rope_chain(ep: ExportedProgram, root: Node, direct: Node, rotated: Node, ro
         or not all(only_read_by(n, u) for n, u in zip(chain, users))
     ):  # fmt: skip
         return None
-    source = _default_rotary(ep, x, cos, sin)
+    source = _rotary_source(ep, x, cos, sin, doubled=True)
     if source is not None:
-        positions, inv_freq, seq_axis = source
+        return Fusion(_emit_rope(x, *source), frozenset(chain))
 
-        def lower(b: Builder, node: Node) -> None:
-            b.emit_node(node, "rope", (b.slots[x], b.slots[positions], b.slots[inv_freq]), {"seq_axis": seq_axis})
-
-    else:
-
-        def lower(b: Builder, node: Node) -> None:
-            b.emit_node(node, "rope_half", (b.slots[x], b.slots[cos], b.slots[sin]))
+    def lower(b: Builder, node: Node) -> None:
+        b.emit_node(node, "rope_half", (b.slots[x], b.slots[cos], b.slots[sin]))
 
     return Fusion(lower, frozenset(chain))
 
 
-def _default_rotary(ep: ExportedProgram, x: Node, cos: Node, sin: Node) -> Optional[tuple[Node, Node, int]]:
-    """(positions [T], inv_freq [d/2], x's token axis) when ``cos``/``sin`` are HF's default
-    rotary tables of x's tokens, unsqueezed to broadcast over x's heads ([1, H, T, d] or
-    [1, T, H, d]); the tables' own nodes are left to dead-code removal (every layer reads
-    them)."""
+def _chunk_chain(ep: ExportedProgram, root: Node) -> Optional[Fusion]:
+    """``cat(a * cos - b * sin, b * cos + a * sin)`` over x's halves ``a, b``, with HF's
+    half-width rotary tables (gpt-oss's ``_apply_rotary_emb``)."""
+    tensors, dim = node_args(root)["tensors"], node_args(root)["dim"]
+    if len(tensors) != 2 or not _along_last_dim(root, dim):
+        return None
+    first, second = tensors
+    if not (is_call(first, aten.sub.Tensor) and node_args(first).get("alpha", 1) == 1 and plain_add(second)):
+        return None
+    a_cos, b_sin = operands(first)
+    if not all(is_call(n, aten.mul.Tensor) for n in (a_cos, b_sin, *operands(second))):
+        return None
+    for a, cos in both_orders(a_cos):
+        for b, sin in both_orders(b_sin):
+            halves = _halves_of(a, b)
+            if halves is None or not (isinstance(cos, Node) and isinstance(sin, Node)):
+                continue
+            x, split_nodes = halves
+            for b_cos, a_sin in both_orders(second):
+                if _is_product(b_cos, b, cos) and _is_product(a_sin, a, sin):
+                    chain = [*split_nodes, a_cos, b_sin, b_cos, a_sin, first, second]
+                    fusion = _checked_chunk_chain(ep, root, x, cos, sin, chain)
+                    if fusion is not None:
+                        return fusion
+    return None
+
+
+def _is_product(node: Node, x: Any, y: Any) -> bool:
+    return any(p == x and q == y for p, q in both_orders(node))
+
+
+def _halves_of(a: Any, b: Any) -> Optional[tuple[Node, list[Node]]]:
+    """(x, the nodes taking its halves) when ``a`` and ``b`` are x's first and second half
+    along the last dim: ``torch.chunk``'s split (its two items) or two slices."""
+    if not (isinstance(a, Node) and isinstance(b, Node)):
+        return None
+    if a.target is operator.getitem and b.target is operator.getitem:
+        split = a.args[0]
+        if not (b.args[0] is split and (a.args[1], b.args[1]) == (0, 1)
+                and is_call(split, aten.split_with_sizes_copy.default)):  # fmt: skip
+            return None
+        args = node_args(split)
+        x = args["self"]
+        size = last_dim(x) if isinstance(x, Node) else None
+        if size is None or size % 2 or list(args["split_sizes"]) != [size // 2] * 2 or not _along_last_dim(x, args["dim"]):
+            return None
+        return (x, [split, a, b]) if set(split.users) == {a, b} else None
+    x = a.args[0] if is_call(a, aten.slice_copy.Tensor) else None
+    size = last_dim(x) if isinstance(x, Node) else None
+    if size is None or size % 2:
+        return None
+    half = size // 2
+    return (x, [a, b]) if _half_slice(a, x, 0, half, half) and _half_slice(b, x, half, size, half) else None
+
+
+def _checked_chunk_chain(ep: ExportedProgram, root: Node, x: Node, cos: Node, sin: Node, chain: list[Node]) -> Optional[Fusion]:
+    *split_nodes, a_cos, b_sin, b_cos, a_sin, first, second = chain
+    halves = split_nodes[-2:]  # a, b
+    readers = {
+        halves[0]: {a_cos, a_sin}, halves[1]: {b_sin, b_cos},
+        a_cos: {first}, b_sin: {first}, b_cos: {second}, a_sin: {second}, first: {root}, second: {root},
+    }  # fmt: skip
+    if (
+        value_of(root).shape != value_of(x).shape
+        or not same_float_dtype([x, cos, sin, *chain[len(split_nodes):], root])
+        or not all(set(n.users) == users for n, users in readers.items())
+    ):  # fmt: skip
+        return None
+    source = _rotary_source(ep, x, cos, sin, doubled=False)
+    return Fusion(_emit_rope(x, *source), frozenset(chain)) if source is not None else None
+
+
+def _emit_rope(x: Node, positions: Node, inv_freq: Node, seq_axis: int, table_scale: float):
+    attrs: dict[str, Any] = {"seq_axis": seq_axis}
+    if table_scale != 1.0:  # left out otherwise: files of unscaled models are unchanged
+        attrs["table_scale"] = table_scale
+
+    def lower(b: Builder, node: Node) -> None:
+        b.emit_node(node, "rope", (b.slots[x], b.slots[positions], b.slots[inv_freq]), attrs)
+
+    return lower
+
+
+def _rotary_source(ep: ExportedProgram, x: Node, cos: Node, sin: Node,
+                   doubled: bool) -> Optional[tuple[Node, Node, int, float]]:
+    """(positions [T], inv_freq [d/2], x's token axis, table scale) when ``cos``/``sin`` are
+    HF's rotary tables of x's tokens (full width, ``doubled``, or half width), unsqueezed to
+    broadcast over x's heads ([1, H, T, ...] or [1, T, H, ...]); the tables' own nodes are
+    left to dead-code removal (every layer reads them)."""
     x_shape = shape_of(x)
     if len(x_shape) != 4 or x_shape[0] != 1:
         return None
@@ -121,17 +216,17 @@ def _default_rotary(ep: ExportedProgram, x: Node, cos: Node, sin: Node) -> Optio
     heads_axis = unsqueezed[0][1]  # type: ignore[index]
     seq_axis = 3 - heads_axis
     tables = [u[0] for u in unsqueezed]  # type: ignore[index]
-    found = [_table_source(ep, t, fn, dtype_of(x)) for t, fn in zip(tables, (aten.cos.default, aten.sin.default))]
+    found = [_table_source(ep, t, fn, dtype_of(x), doubled) for t, fn in zip(tables, (aten.cos.default, aten.sin.default))]
     if None in found or found[0] != found[1]:
         return None
-    f = node_args(found[0])["tensors"][0]
+    f, table_scale = found[0]  # type: ignore[misc]
     for pos_float, inv_freq in both_orders(f):
         inv = ep_constant(ep, inv_freq) if isinstance(inv_freq, Node) else None
         if not _int_to_float32(pos_float) or inv is None or inv.dtype != torch.float32:
             continue
         source = _token_axis(pos_float.args[0])
         if tuple(inv.shape) == (x_shape[-1] // 2,) and source is not None and shape_of(source) == (x_shape[seq_axis],):
-            return source, inv_freq, seq_axis
+            return source, inv_freq, seq_axis, table_scale
     return None
 
 
@@ -151,33 +246,39 @@ def _unsqueezed_heads(table: Node) -> Optional[tuple[Node, int]]:
     return (inner, table.args[1]) if isinstance(inner, Node) and len(shape_of(inner)) == 3 else None
 
 
-def _table_source(ep: ExportedProgram, table: Node, fn: Any, dtype: torch.dtype) -> Optional[Node]:
-    """The ``cat(f, f)`` node that ``table`` = fn(cat(f, f)) [* 1.0] [.to(dtype)] reads."""
+def _table_source(ep: ExportedProgram, table: Node, fn: Any, dtype: torch.dtype,
+                  doubled: bool) -> Optional[tuple[Node, float]]:
+    """(the angles ``f`` [1, T, d/2], the scale s) when ``table`` is fn(cat(f, f)) * s
+    (``doubled``) or fn(f) * s, computed in fp32 and then cast to ``dtype``; ``* s`` may
+    be left out (s = 1)."""
     scaled, cast = through_cast(table)
     if dtype_of(table) != dtype or (cast is None and dtype != torch.float32):
         return None
+    table_scale = 1.0
     if is_call(scaled, aten.mul.Tensor):
         for value, factor in both_orders(scaled):
-            if scalar_value(ep, factor) == 1.0:
-                scaled = value
+            number = scalar_value(ep, factor)
+            if number is not None and math.isfinite(number) and is_call(value, fn):
+                scaled, table_scale = value, number
                 break
         else:
             return None
     if not is_call(scaled, fn) or dtype_of(scaled) != torch.float32:
         return None
-    emb = scaled.args[0]
-    if not is_call(emb, aten.cat.default):
-        return None
-    parts, dim = node_args(emb)["tensors"], node_args(emb)["dim"]
-    if len(parts) != 2 or parts[0] is not parts[1] or norm_dim(dim, len(shape_of(emb))) != 2:
-        return None
-    f = parts[0]
-    return emb if is_call(f, aten.mul.Tensor) and len(shape_of(f)) == 3 else None
+    f = scaled.args[0]
+    if doubled:
+        if not is_call(f, aten.cat.default):
+            return None
+        parts, dim = node_args(f)["tensors"], node_args(f)["dim"]
+        if len(parts) != 2 or parts[0] is not parts[1] or norm_dim(dim, len(shape_of(f))) != 2:
+            return None
+        f = parts[0]
+    return (f, table_scale) if is_call(f, aten.mul.Tensor) and len(shape_of(f)) == 3 else None
 
 
 def _token_axis(positions: Any) -> Optional[Node]:
     """The 1-D int tensor that ``positions`` [1, T, 1] unsqueezes (``p[None, :, None]``)."""
-    if not is_call(positions, aten.unsqueeze_copy.default) or positions.args[1] != 2:
+    if not is_call(positions, aten.unsqueeze_copy.default) or positions.args[1] not in (2, -1):
         return None
     row = positions.args[0]
     if not is_call(row, aten.unsqueeze_copy.default) or row.args[1] != 0:

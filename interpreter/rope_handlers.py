@@ -3,8 +3,8 @@ elsewhere) and ``rope_half`` (the rotation of a cos/sin table the graph computes
 """
 from __future__ import annotations
 
-from functools import partial
-from typing import Any, Optional
+from functools import lru_cache, partial
+from typing import Any, Callable, Optional
 
 import numpy as np
 
@@ -27,13 +27,18 @@ def _rope_half_handler(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx
     return _rope_half_compiled(*args)
 
 
-def rope_from_table(x: mx.array, positions: mx.array, inv_freq: mx.array, seq_axis: int = 2) -> mx.array:
-    """``rope`` as HF computes it: an fp32 angle table, cos/sin rounded to x's dtype."""
+def rope_from_table(x: mx.array, positions: mx.array, inv_freq: mx.array, seq_axis: int = 2,
+                    table_scale: float = 1.0) -> mx.array:
+    """``rope`` as HF computes it: an fp32 angle table, cos/sin (times ``table_scale``)
+    rounded to x's dtype."""
     angles = positions.reshape(-1, 1).astype(mx.float32) * inv_freq
     table = mx.concatenate([angles, angles], axis=-1)
     if seq_axis == 1:  # [T, D] broadcast over the heads axis that follows T
         table = mx.expand_dims(table, 1)
-    return _rope_half(x, mx.cos(table).astype(x.dtype), mx.sin(table).astype(x.dtype))
+    cos, sin = mx.cos(table), mx.sin(table)
+    if table_scale != 1.0:
+        cos, sin = cos * table_scale, sin * table_scale
+    return _rope_half(x, cos.astype(x.dtype), sin.astype(x.dtype))
 
 
 # ``rope_fast`` puts the tokens on the batch axis: [1, H, T, D] or [1, T, H, D] -> [T, H, 1, D].
@@ -42,20 +47,28 @@ _TOKENS_BACK = {2: (2, 1, 0, 3), 1: (2, 0, 1, 3)}
 
 
 def rope_fast(x: mx.array, positions: mx.array, inv_freq: mx.array, seq_axis: int = 2,
-              base: Optional[float] = None, freqs: Optional[mx.array] = None) -> mx.array:
+              base: Optional[float] = None, freqs: Optional[mx.array] = None,
+              table_scale: float = 1.0) -> mx.array:
     """``rope`` on MLX's fused kernel, for any positions: it takes one offset per batch
     item, so each token goes on the batch axis (a transposed view, no copy). The kernel
-    rotates in fp32 and rounds once (the table path rounds cos/sin first).
+    rotates in fp32 and rounds once (the table path rounds cos/sin first). A
+    ``table_scale`` other than 1 scales the rotated result (rotation is linear in its
+    table): x is rotated in fp32, scaled and rounded once, since scaling a rounded result
+    rounds twice (measured at up to 2x HF's own bf16 error; this way it is below it).
 
     ``base`` (when ``inv_freq`` is the base form ``base ** (-2i / D)``) or ``freqs``
     (``1 / inv_freq``) come from ``rope_form``, computed once at load; without either
     the reciprocal is taken here, on every call.
     """
     tokens = mx.transpose(x, _TOKENS_FIRST[seq_axis])
+    if table_scale != 1.0:
+        tokens = tokens.astype(mx.float32)
     if base is None and freqs is None:
         freqs = mx.reciprocal(inv_freq)
     out = mx.fast.rope(tokens, x.shape[-1], traditional=False, base=base, scale=1.0,
                        offset=positions.reshape(-1), freqs=freqs)  # fmt: skip
+    if table_scale != 1.0:
+        out = (out * table_scale).astype(x.dtype)
     return mx.transpose(out, _TOKENS_BACK[seq_axis])
 
 
@@ -85,13 +98,16 @@ def rope_form(inv_freq: mx.array) -> dict[str, Any]:
     return {"freqs": mx.array((1.0 / values).astype(np.float32))}
 
 
-_ROPE_FROM_TABLE = {axis: mx.compile(partial(rope_from_table, seq_axis=axis)) for axis in _TOKENS_FIRST}
+@lru_cache(maxsize=None)
+def _rope_from_table_compiled(seq_axis: int, table_scale: float) -> Callable[..., mx.array]:
+    return mx.compile(partial(rope_from_table, seq_axis=seq_axis, table_scale=table_scale))
 
 
 @handles("rope")
 def _rope(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx.array:
+    table_scale = float(attrs.get("table_scale", 1.0))
     # On the CPU MLX has no rope kernel (mx.fast.rope falls back to separate ops), so
     # the compiled table is faster there.
     if mx.default_device().type == mx.DeviceType.gpu:
-        return rope_fast(*args, attrs["seq_axis"], attrs.get("base"), attrs.get("freqs"))
-    return _ROPE_FROM_TABLE[attrs["seq_axis"]](*args)
+        return rope_fast(*args, attrs["seq_axis"], attrs.get("base"), attrs.get("freqs"), table_scale)
+    return _rope_from_table_compiled(attrs["seq_axis"], table_scale)(*args)

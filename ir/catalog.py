@@ -14,6 +14,8 @@ slots (dynamic sizes) and ``-1`` where the op allows it.
 """
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -262,14 +264,22 @@ define(
         "along the last dim (HF's rotary embedding); cos and sin broadcast to x and share its dtype",
     )
 )
+def _check_table_scale(instr: Instruction, graph: Graph) -> None:
+    scale = instr.attr("table_scale")
+    if scale is not None and not math.isfinite(scale):
+        raise FormatError(f"instruction 'rope': attribute 'table_scale' must be a finite number, got {scale!r}")
+
+
 define(
     OpSpec(
         "rope",
         ("x", "positions", "inv_freq"),
-        _attrs(("seq_axis", "int", True, "seq_axis")),
+        _attrs(("seq_axis", "int", True, "seq_axis"), ("table_scale", "float", False)),
         output_rule="like x, [1, H, T, D] (seq_axis 2) or [1, T, H, D] (seq_axis 1): rope_half(x, cos, sin) with "
         "angles positions[t] * inv_freq (int positions [T], fp32 inv_freq [D/2]) computed in fp32, duplicated "
-        "over both halves, cos/sin rounded to x's dtype (HF's default rotary embedding)",
+        "over both halves, cos/sin times table_scale (default 1; HF's attention_scaling, e.g. YaRN's) in fp32, "
+        "then rounded to x's dtype (HF's rotary embedding)",
+        check=_check_table_scale,
     )
 )
 def _check_glu_halves(instr: Instruction, graph: Graph) -> None:

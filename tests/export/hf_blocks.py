@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers import LlamaConfig
+from transformers import GptOssConfig, LlamaConfig
+from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRotaryEmbedding
+from transformers.models.gpt_oss.modeling_gpt_oss import apply_rotary_pos_emb as gpt_oss_apply_rotary_pos_emb
 from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
 from transformers.models.gemma3n.modeling_gemma3n import Gemma3nRMSNorm
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
@@ -31,7 +33,7 @@ def in_dtype(module: nn.Module, dtype: torch.dtype) -> nn.Module:
     """``module`` in ``dtype``, rotary inverse frequencies kept in fp32 as HF loads them."""
     module = module.to(dtype)
     for sub in module.modules():
-        if isinstance(sub, LlamaRotaryEmbedding):
+        if isinstance(sub, (LlamaRotaryEmbedding, GptOssRotaryEmbedding)):
             sub.inv_freq = sub.inv_freq.float()
     return module.eval()
 
@@ -68,6 +70,27 @@ class Rotary(nn.Module):
     def forward(self, q, k, positions):
         cos, sin = self.rotary(q, positions.unsqueeze(0))
         return apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=3 - self.seq_axis)
+
+
+# gpt-oss's YaRN as shipped (factor 32 over an original context of 16 here): its tables
+# are scaled by the attention factor 0.1 ln(32) + 1.
+YARN = dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
+            original_max_position_embeddings=16, rope_theta=150000.0)  # fmt: skip
+
+
+class ChunkRotary(nn.Module):
+    """gpt-oss's rotary embedding (half-width tables, ``torch.chunk`` halves) on q and k."""
+
+    def __init__(self, rope_parameters: dict = YARN, seq_axis: int = 2) -> None:
+        super().__init__()
+        config = GptOssConfig(hidden_size=HIDDEN, num_attention_heads=HEADS, num_key_value_heads=HEADS,
+                              head_dim=HEAD_DIM, max_position_embeddings=512, rope_parameters=rope_parameters)  # fmt: skip
+        self.rotary = GptOssRotaryEmbedding(config)
+        self.seq_axis = seq_axis
+
+    def forward(self, q, k, positions):
+        cos, sin = self.rotary(q, positions.unsqueeze(0))
+        return gpt_oss_apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=3 - self.seq_axis)
 
 
 class GatedMLP(nn.Module):

@@ -170,9 +170,16 @@ HF_CASES: dict[str, tuple] = {
     "rotary": (hf_blocks.Rotary, _qk, QK_DYNAMIC, {"rope": 2}, {"rope_half", "cos", "sin", "cat", "neg"}),
     "rotary_token_major": (lambda: hf_blocks.Rotary(seq_axis=1), _qk_token_major, ({1: _T}, {1: _T}, {0: _T}),
                            {"rope": 2}, {"rope_half", "cos", "sin", "cat", "neg"}),  # fmt: skip
-    # A scaled table is not the default rotary embedding: the gathered-table op instead.
-    "rotary_scaled": (lambda: hf_blocks.Rotary(attention_scaling=0.5), _qk, QK_DYNAMIC, {"rope_half": 2, "cos": 1},
-                      {"rope"}),  # fmt: skip
+    # Tables scaled by an attention factor: the factor becomes rope's table_scale.
+    "rotary_scaled": (lambda: hf_blocks.Rotary(attention_scaling=0.5), _qk, QK_DYNAMIC, {"rope": 2},
+                      {"rope_half", "cos", "sin", "cat", "neg"}),  # fmt: skip
+    # gpt-oss's form: chunked halves and half-width tables, YaRN-scaled, or unscaled.
+    "rotary_chunk_yarn": (hf_blocks.ChunkRotary, _qk, QK_DYNAMIC, {"rope": 2},
+                          {"rope_half", "cos", "sin", "cat", "split", "sub"}),  # fmt: skip
+    "rotary_chunk_plain": (lambda: hf_blocks.ChunkRotary({"rope_type": "default", "rope_theta": 10000.0}), _qk,
+                           QK_DYNAMIC, {"rope": 2}, {"rope_half", "cos", "sin", "cat", "split", "sub"}),  # fmt: skip
+    "rotary_chunk_token_major": (lambda: hf_blocks.ChunkRotary(seq_axis=1), _qk_token_major,
+                                 ({1: _T}, {1: _T}, {0: _T}), {"rope": 2}, {"rope_half", "cos", "sin", "cat"}),  # fmt: skip
     # gate and up are fused into one projection at export, which the glu reads whole.
     "swiglu": (hf_blocks.GatedMLP, _hidden, HIDDEN_DYNAMIC, {"glu": 1, "linear": 2}, {"silu", "mul", "split"}),
     "geglu": (lambda: hf_blocks.GatedMLP("gelu_pytorch_tanh"), _hidden, HIDDEN_DYNAMIC, {"glu": 1}, {"gelu", "mul"}),
@@ -242,16 +249,20 @@ def test_a_weight_of_another_dtype_stays_outside_the_norm(tmp_path):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("seq_axis", [2, 1])
 @pytest.mark.parametrize("rope", [rope_from_table, rope_fast], ids=["table", "fast"])
-def test_both_rope_paths_match_hf(rope, seq_axis, dtype):
+@pytest.mark.parametrize("block", [hf_blocks.Rotary, hf_blocks.ChunkRotary], ids=["default", "yarn_scaled"])
+def test_both_rope_paths_match_hf(block, rope, seq_axis, dtype):
     """The GPU path (mx.fast.rope, one offset per token) is MLX's own CPU fallback here:
-    the same arithmetic as its kernels, so the token-on-batch-axis layout is what is tested."""
-    rotary = hf_blocks.in_dtype(hf_blocks.Rotary(seq_axis=seq_axis), dtype)
+    the same arithmetic as its kernels, so the token-on-batch-axis layout is what is tested.
+    YaRN's tables carry an attention factor (``table_scale``)."""
+    rotary = hf_blocks.in_dtype(block(seq_axis=seq_axis), dtype)
+    table_scale = rotary.rotary.attention_scaling
+    assert (table_scale == 1.0) == (block is hf_blocks.Rotary)
     for t in (1, 9):
         q, k, positions = _qk(t, dtype, seq_axis)
         with torch.no_grad():
             expected, _ = rotary(q, k, positions)
         inv_freq = mx.array(rotary.rotary.inv_freq.numpy())
-        got = rope(mx.array(_mx_input(q)), mx.array(positions.numpy()), inv_freq, seq_axis)
+        got = rope(mx.array(_mx_input(q)), mx.array(positions.numpy()), inv_freq, seq_axis, table_scale=table_scale)
         assert_matches([got], [expected], TOLERANCE[dtype])
 
 

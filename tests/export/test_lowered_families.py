@@ -59,8 +59,9 @@ def test_llama_layer_is_at_most_14_instructions(exported, dtype):
     assert ops["cast"] == (0 if dtype == "float32" else 1), ops
 
 
-FAMILY_CASES = [  # llama and gemma3 (sliding, scaled embedding) in the fast tier; the rest are slow
-    ("llama", "bfloat16"), ("gemma3", "bfloat16"),
+FAMILY_CASES = [  # llama, gemma3 (sliding, scaled embedding) and gpt_oss (chunked halves, YaRN-scaled
+    # tables) in the fast tier; the rest are slow
+    ("llama", "bfloat16"), ("gemma3", "bfloat16"), ("gpt_oss", "bfloat16"),
     *[pytest.param(f, d, marks=pytest.mark.slow) for f in ("mistral", "gemma2", "qwen3", "gemma3") for d in DTYPES
       if (f, d) != ("gemma3", "bfloat16")],
 ]  # fmt: skip
@@ -86,17 +87,41 @@ def test_inspect_reports_instructions_per_layer(exported, capsys):
     assert figure == attends[1] - attends[0]
 
 
-def test_bfloat16_export_matches_hf_in_bfloat16(exported, tiny_checkpoint):
+@pytest.mark.parametrize("family", ["llama", "gpt_oss"])
+def test_bfloat16_export_matches_hf_in_bfloat16(exported, tiny_checkpoint, family):
     """bf16 rounding differs op by op between any two implementations; the fused export must
     stay as close to HF-in-bf16 as HF-in-bf16 is to the fp32 reference."""
-    _, program = exported("llama", "bfloat16")
+    _, program = exported(family, "bfloat16")
     prompt = [5, 17, 300, 42, 9, 811, 64, 3, 77, 120]
     session = program.session("single", capacity=64)
     ours = np.array(session.forward(prompt, rows=range(len(prompt))))
     with torch.no_grad():
         ids = torch.tensor([prompt])
-        hf_bf16 = _hf(tiny_checkpoint, "llama", torch.bfloat16)(ids, use_cache=False).logits[0].float().numpy()
-        hf_fp32 = _hf(tiny_checkpoint, "llama")(ids, use_cache=False).logits[0].numpy()
+        hf_bf16 = _hf(tiny_checkpoint, family, torch.bfloat16)(ids, use_cache=False).logits[0].float().numpy()
+        hf_fp32 = _hf(tiny_checkpoint, family)(ids, use_cache=False).logits[0].numpy()
     hf_error = np.abs(hf_bf16 - hf_fp32).max()
     assert np.abs(ours - hf_bf16).max() <= 2 * hf_error, (np.abs(ours - hf_bf16).max(), hf_error)
     assert (ours.argmax(-1) == hf_bf16.argmax(-1)).mean() >= 0.9
+
+
+def test_yarn_scaled_tables_fuse_and_match_hf(tiny_checkpoint, tmp_path):
+    """YaRN scales HF's cos/sin tables by its attention factor (0.1 ln(factor) + 1): the
+    rotary chain still fuses, with the factor as rope's ``table_scale``."""
+    import json
+    import shutil
+
+    path = tmp_path / "llama_yarn"
+    shutil.copytree(tiny_checkpoint("llama"), path)
+    config = json.loads((path / "config.json").read_text())
+    config["rope_parameters"] = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=64,
+                                     rope_theta=config["rope_parameters"]["rope_theta"])  # fmt: skip
+    (path / "config.json").write_text(json.dumps(config))
+    program = load(export_hf(path, tmp_path / "m.pte", max_step=MAX_STEP, progress=False))
+    ropes = [i for i in program.graph.instructions if i.op == "rope"]
+    assert len(ropes) == 4 and all(i.attr("table_scale") == pytest.approx(0.1 * np.log(4.0) + 1) for i in ropes)
+    assert not DECOMPOSED & {i.op for i in program.graph.instructions}
+    prompt = [5, 17, 300, 42, 9, 811, 64, 3, 77, 120]
+    with torch.no_grad():
+        want = _hf(lambda family: path, "llama")(torch.tensor([prompt]), use_cache=False).logits[0].numpy()
+    got = np.array(program.session("single", capacity=64).forward(prompt, rows=range(len(prompt))))
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)

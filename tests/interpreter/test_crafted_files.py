@@ -111,14 +111,15 @@ def edit_attr(base, op: str, name: str, value):
     graph = dataclasses.replace(base.graph, instructions=list(base.graph.instructions))
     index = next(i for i, instr in enumerate(graph.instructions) if instr.op == op)
     instr = graph.instructions[index]
-    graph.instructions[index] = Instruction(
-        op, instr.inputs, instr.outputs, tuple((k, value if k == name else v) for k, v in instr.attrs))
+    graph.instructions[index] = Instruction(op, instr.inputs, instr.outputs, tuple({**dict(instr.attrs), name: value}.items()))
     return index, craft_payload(base, graph=graph)
 
 
 # The ops of a fused llama graph (lowering folds its unsqueezes, casts and plain views).
 @pytest.mark.parametrize("op, name, value, says", [
     ("rope", "seq_axis", 115, "attribute 'seq_axis' = 115 must be 1"),
+    ("rope", "table_scale", float("nan"), "attribute 'table_scale' must be a finite number"),
+    ("rope", "table_scale", "big", "attribute 'table_scale' must be float"),
     ("split_heads", "heads", (4, 4, 2, 6, 3), "do not tile"),
     ("split_heads", "head_dim", 0, "head_dim must be >= 1"),
     ("split_heads", "heads", (5, 3, 2, 6, 2), r"must be \[B, 5, T, 16\]"),

@@ -101,6 +101,7 @@ def test_model_matches_hf_with_eager_experts_and_attention(tiny_checkpoint, prog
     path = tiny_checkpoint("gpt_oss")
     ops = [i.op for i in program.graph.instructions]
     assert ops.count("update_and_attend") == ops.count("experts") == 2
+    assert ops.count("rope") == 4 and not {"cos", "sin", "cat", "split"} & set(ops)  # q and k, chunk form fused
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True,
                                               attn_implementation="eager", experts_implementation="eager").eval()  # fmt: skip
     assert hf.config._experts_implementation == "eager"
