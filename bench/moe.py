@@ -8,11 +8,15 @@
     python3 bench/moe.py --shape 30b-a3b --layers 4 --hf-dir /root/stash/moe30 \
         --pte .gpu/moe30-bf16.pte.gz --dtype bfloat16 --wheels .whl --batches 1,8,32
 
-The checkpoint has all-zero weights (made here if --hf-dir lacks one; zeros gzip to almost
-nothing, so the .pte travels in the 64 MiB carry). Speed does not depend on the values,
-with one caveat: a zero router scores every expert alike, so both engines route each token
-to the same top-k experts (their tie rules pick the lowest indices), which is one
-expert set per layer for a whole batch; a trained router spreads a batch over more experts.
+The checkpoint's weights are almost all zero (made here if --hf-dir lacks one; it gzips to
+little more than its routers, so the .pte travels in the 64 MiB carry): speed does not
+depend on the values, except through routing. A zero router would score every expert
+alike and send every token of a batch to the same top-k experts, one expert set per layer,
+which no trained model does. So the routers are random, the norms are ones, and token t's
+embedding is the unit vector at t mod hidden, which the residual stream carries unchanged
+(attention and experts add zeros): each token routes its own way in every layer. The head
+maps token t to the next token v with 7v = t (mod hidden), so greedy decode walks through
+different tokens, and different prompts decode through different expert sets.
 
 ``--wheels DIR`` / ``--site`` install MLX's CUDA wheel and mlx, mlx-lm as bench/gpu_decode.py
 does. Rounds are interleaved (mlx-pte, mlx-lm, mlx-pte, ...) so drift on a shared machine
@@ -48,7 +52,8 @@ SHAPES = {
 
 
 def make_checkpoint(out: Path, shape: str, layers: int) -> Path:
-    """A zero-weight Qwen3-MoE checkpoint of ``shape`` with ``layers`` layers (no download)."""
+    """A Qwen3-MoE checkpoint of ``shape`` with ``layers`` layers (no download), zero but
+    for what spreads routing (``spread_routing``)."""
     import torch
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
@@ -62,6 +67,7 @@ def make_checkpoint(out: Path, shape: str, layers: int) -> Path:
     with torch.no_grad():
         for p in model.parameters():
             p.zero_()
+        spread_routing(model, config)
     model.model.rotary_emb = type(model.model.rotary_emb)(config=config)  # its buffer was left empty
     model.eval().save_pretrained(out)
     # mlx-lm reads the transformers-4 names, which transformers 5 writes as num_local_experts
@@ -72,6 +78,24 @@ def make_checkpoint(out: Path, shape: str, layers: int) -> Path:
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         shutil.copy(REPO / "models" / "default" / name, out / name)
     return out
+
+
+def spread_routing(model, config) -> None:
+    """Random routers, unit norms, token t's embedding e_(t mod H) and a head whose greedy
+    successor of t is the v with 7v = t (mod H): see the module docstring."""
+    import torch
+
+    hidden = config.hidden_size
+    generator = torch.Generator().manual_seed(0)
+    for module in model.modules():
+        if type(module).__name__.endswith("RMSNorm"):
+            module.weight.fill_(1.0)
+    for layer in model.model.layers:
+        router = layer.mlp.gate.weight
+        router.copy_(torch.randn(router.shape, generator=generator).to(router.dtype))
+    tokens = torch.arange(config.vocab_size)
+    model.model.embed_tokens.weight[tokens, tokens % hidden] = 1.0
+    model.lm_head.weight[tokens, (7 * tokens) % hidden] = 1.0
 
 
 def export_gz(model_dir: Path, out: Path, dtype: str) -> Path:
