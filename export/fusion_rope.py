@@ -146,7 +146,7 @@ def _chunk_chain(ep: ExportedProgram, root: Node) -> Optional[Fusion]:
 
 
 def _is_product(node: Node, x: Any, y: Any) -> bool:
-    return any(p == x and q == y for p, q in both_orders(node))
+    return any(p is x and q is y for p, q in both_orders(node))
 
 
 def _halves_of(a: Any, b: Any) -> Optional[tuple[Node, list[Node]]]:
@@ -278,7 +278,7 @@ def _table_source(ep: ExportedProgram, table: Node, fn: Any, dtype: torch.dtype,
 
 def _token_axis(positions: Any) -> Optional[Node]:
     """The 1-D int tensor that ``positions`` [1, T, 1] unsqueezes (``p[None, :, None]``)."""
-    if not is_call(positions, aten.unsqueeze_copy.default) or positions.args[1] not in (2, -1):
+    if not is_call(positions, aten.unsqueeze_copy.default) or positions.args[1] != 2:
         return None
     row = positions.args[0]
     if not is_call(row, aten.unsqueeze_copy.default) or row.args[1] != 0:
