@@ -5,7 +5,8 @@ MLX promotes, as upstream's runtime does.
 """
 from __future__ import annotations
 
-from .catalog import _REDUCTION_ATTRS, AttrSpec, OpSpec, _attrs, define
+from .catalog import AttrSpec, OpSpec, _attrs, define
+from .catalog_core import _REDUCTION_ATTRS
 
 UPSTREAM_UNARY = (
     "floor", "ceil", "trunc", "tan", "asin", "acos", "atan", "sinh", "cosh", "asinh", "acosh",
