@@ -75,6 +75,19 @@ def _half_slice(node: Any, x: Node, start: int, end_at_least: int, half: int) ->
     )  # fmt: skip
 
 
+def _slice_halves(first: Any, second: Any) -> Optional[Node]:
+    """x, when ``first`` and ``second`` are x[..., :d/2] and x[..., d/2:] (d even, static)."""
+    x = first.args[0] if is_call(first, aten.slice_copy.Tensor) else None
+    half = _half_width(x)
+    return x if half is not None and _half_slice(first, x, 0, half, half) and _half_slice(second, x, half, 2 * half, half) else None
+
+
+def _half_width(x: Any) -> Optional[int]:
+    """Half of x's last dim when x is a node whose last dim is static and even."""
+    size = last_dim(x) if isinstance(x, Node) else None
+    return size // 2 if size is not None and size % 2 == 0 else None
+
+
 def _along_last_dim(node: Node, dim: Any) -> bool:
     rank = value_of(node).dim()
     return norm_dim(dim, rank) == rank - 1
@@ -88,12 +101,8 @@ def _rotate_half_chain(ep: ExportedProgram, root: Node, direct: Node, rotated: N
         return None
     neg, low = tensors
     high = neg.args[0]
-    x = low.args[0] if is_call(low, aten.slice_copy.Tensor) else None
-    size = last_dim(x) if isinstance(x, Node) else None
-    if size is None or size % 2 or not _along_last_dim(rot, dim):
-        return None
-    half = size // 2
-    if not (_half_slice(low, x, 0, half, half) and _half_slice(high, x, half, size, half)):
+    x = _slice_halves(low, high)
+    if x is None or not _along_last_dim(rot, dim):
         return None
     a, c = operands(direct)
     if a is not x and c is not x:
@@ -138,8 +147,7 @@ def _chunk_chain(ep: ExportedProgram, root: Node) -> Optional[Fusion]:
             x, split_nodes = halves
             for b_cos, a_sin in both_orders(second):
                 if _is_product(b_cos, b, cos) and _is_product(a_sin, a, sin):
-                    chain = [*split_nodes, a_cos, b_sin, b_cos, a_sin, first, second]
-                    fusion = _checked_chunk_chain(ep, root, x, cos, sin, chain)
+                    fusion = _checked_chunk_chain(ep, root, x, (a, b), split_nodes, (a_cos, b_sin, b_cos, a_sin), cos, sin)
                     if fusion is not None:
                         return fusion
     return None
@@ -160,34 +168,34 @@ def _halves_of(a: Any, b: Any) -> Optional[tuple[Node, list[Node]]]:
                 and is_call(split, aten.split_with_sizes_copy.default)):  # fmt: skip
             return None
         args = node_args(split)
-        x = args["self"]
-        size = last_dim(x) if isinstance(x, Node) else None
-        if size is None or size % 2 or list(args["split_sizes"]) != [size // 2] * 2 or not _along_last_dim(x, args["dim"]):
+        x, half = args["self"], _half_width(args["self"])
+        if half is None or list(args["split_sizes"]) != [half, half] or not _along_last_dim(x, args["dim"]):
             return None
         return (x, [split, a, b]) if set(split.users) == {a, b} else None
-    x = a.args[0] if is_call(a, aten.slice_copy.Tensor) else None
-    size = last_dim(x) if isinstance(x, Node) else None
-    if size is None or size % 2:
-        return None
-    half = size // 2
-    return (x, [a, b]) if _half_slice(a, x, 0, half, half) and _half_slice(b, x, half, size, half) else None
+    x = _slice_halves(a, b)
+    return (x, [a, b]) if x is not None else None
 
 
-def _checked_chunk_chain(ep: ExportedProgram, root: Node, x: Node, cos: Node, sin: Node, chain: list[Node]) -> Optional[Fusion]:
-    *split_nodes, a_cos, b_sin, b_cos, a_sin, first, second = chain
-    halves = split_nodes[-2:]  # a, b
+def _checked_chunk_chain(ep: ExportedProgram, root: Node, x: Node, halves: tuple[Node, Node], split_nodes: list[Node],
+                         products: tuple[Node, Node, Node, Node], cos: Node, sin: Node) -> Optional[Fusion]:  # fmt: skip
+    """The chain's fusion when each of its values is read within it alone and the tables
+    are HF's half-width rotary tables."""
+    a, b = halves
+    a_cos, b_sin, b_cos, a_sin = products
+    first, second = node_args(root)["tensors"]
     readers = {
-        halves[0]: {a_cos, a_sin}, halves[1]: {b_sin, b_cos},
+        a: {a_cos, a_sin}, b: {b_sin, b_cos},
         a_cos: {first}, b_sin: {first}, b_cos: {second}, a_sin: {second}, first: {root}, second: {root},
     }  # fmt: skip
+    arithmetic = [*products, first, second]
     if (
         value_of(root).shape != value_of(x).shape
-        or not same_float_dtype([x, cos, sin, *chain[len(split_nodes):], root])
+        or not same_float_dtype([x, cos, sin, *arithmetic, root])
         or not all(set(n.users) == users for n, users in readers.items())
     ):  # fmt: skip
         return None
     source = _rotary_source(ep, x, cos, sin, doubled=False)
-    return Fusion(_emit_rope(x, *source), frozenset(chain)) if source is not None else None
+    return Fusion(_emit_rope(x, *source), frozenset([*split_nodes, *arithmetic])) if source is not None else None
 
 
 def _emit_rope(x: Node, positions: Node, inv_freq: Node, seq_axis: int, table_scale: float):
