@@ -16,6 +16,7 @@ from mlx_pte.cli import main
 from mlx_pte.export.hf_export import export_hf
 from mlx_pte.interpreter.program import Program, load
 from mlx_pte.ir.layers import layer_counts
+from tests.fixtures.tiny_models import edit_config, tiny_config
 
 MAX_STEP = 16
 DTYPES = ("float32", "bfloat16", "float16")
@@ -107,15 +108,13 @@ def test_bfloat16_export_matches_hf_in_bfloat16(exported, tiny_checkpoint, famil
 def test_yarn_scaled_tables_fuse_and_match_hf(tiny_checkpoint, tmp_path):
     """YaRN scales HF's cos/sin tables by its attention factor (0.1 ln(factor) + 1): the
     rotary chain still fuses, with the factor as rope's ``table_scale``."""
-    import json
     import shutil
 
     path = tmp_path / "llama_yarn"
     shutil.copytree(tiny_checkpoint("llama"), path)
-    config = json.loads((path / "config.json").read_text())
-    config["rope_parameters"] = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=64,
-                                     rope_theta=config["rope_parameters"]["rope_theta"])  # fmt: skip
-    (path / "config.json").write_text(json.dumps(config))
+    theta = tiny_config("llama").rope_parameters["rope_theta"]
+    edit_config(path, rope_parameters=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=64,
+                                           rope_theta=theta))  # fmt: skip
     program = load(export_hf(path, tmp_path / "m.pte", max_step=MAX_STEP, progress=False))
     ropes = [i for i in program.graph.instructions if i.op == "rope"]
     assert len(ropes) == 4 and all(i.attr("table_scale") == pytest.approx(0.1 * np.log(4.0) + 1) for i in ropes)

@@ -4,7 +4,6 @@ the file one at a time (bounded memory), and the same checkpoint always gives th
 from __future__ import annotations
 
 import importlib.util
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -31,6 +30,7 @@ from mlx_pte.ir.payload import WEIGHTS_KEY, decode_payload
 from mlx_pte.ir.pte import read_program
 from mlx_pte.ir.quantization import QuantSpec, quantized_constants
 from tests.fixtures.exported import exported_pte
+from tests.fixtures.tiny_models import edit_config
 
 REPO = Path(__file__).resolve().parents[2]
 MB = 1 << 20
@@ -126,8 +126,7 @@ def test_a_checkpoint_missing_a_weight_is_refused_before_anything_is_written(tmp
     root = tmp_path / "ckpt"
     _bench().write_zero_checkpoint(root, "135m", num_hidden_layers=1, vocab_size=64, hidden_size=64,
                                    intermediate_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=32)  # fmt: skip
-    config = json.loads((root / "config.json").read_text())
-    (root / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 2}))  # weights hold 1 layer
+    edit_config(root, num_hidden_layers=2)  # weights hold 1 layer
     with pytest.raises(CheckpointError, match="has no tensor 'model.layers.1.self_attn.q_proj.weight'"):
         export_hf(root, tmp_path / "m.pte", max_step=8, progress=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]

@@ -30,7 +30,7 @@ from mlx_pte.ir.graph import Graph, Instruction, SlotKind, TensorType
 from mlx_pte.runtime.cache import AttendError, Step
 from mlx_pte.runtime.mlx.attention import attend
 from mlx_pte.runtime.reference.attention import lower_right_mask
-from tests.interpreter.test_moe import _edit_config
+from tests.fixtures.tiny_models import edit_config
 
 HIDDEN, INTER, EXPERTS, TOP_K = 16, 8, 4, 2
 
@@ -120,7 +120,7 @@ def test_model_matches_hf_with_eager_experts_and_attention(tiny_checkpoint, prog
 def test_an_expert_config_unlike_the_weights_is_one_export_error(tiny_checkpoint, tmp_path, edit, says):
     path = tmp_path / "ckpt"
     shutil.copytree(tiny_checkpoint("gpt_oss"), path)
-    _edit_config(path, **edit)
+    edit_config(path, **edit)
     with pytest.raises(CheckpointError, match=says):
         export_hf(path, tmp_path / "m.pte", max_step=16, progress=False)
     assert not (tmp_path / "m.pte").exists()
@@ -209,7 +209,7 @@ def _mxfp4_checkpoint(dense: Path, out: Path) -> Path:
         tensors[f"{name}_blocks"] = torch.randint(0, 256, (experts, n, k // 32, 16), generator=gen, dtype=torch.uint8)
         tensors[f"{name}_scales"] = torch.randint(124, 128, (experts, n, k // 32), generator=gen, dtype=torch.uint8)
     save_file(tensors, weights, metadata={"format": "pt"})
-    _edit_config(out, quantization_config={"quant_method": "mxfp4", "modules_to_not_convert": [
+    edit_config(out, quantization_config={"quant_method": "mxfp4", "modules_to_not_convert": [
         "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]})
     return out
 

@@ -2,7 +2,6 @@
 and the checks that refuse experts whose config does not fit their weights."""
 from __future__ import annotations
 
-import json
 
 import mlx.core as mx
 import numpy as np
@@ -22,6 +21,7 @@ from mlx_pte.interpreter.session import Session
 from mlx_pte.ir.catalog import lookup
 from mlx_pte.ir.errors import FormatError
 from mlx_pte.ir.graph import Graph, Instruction, SlotKind, TensorType
+from tests.fixtures.tiny_models import edit_config
 
 HIDDEN, INTER, EXPERTS = 16, 8, 6
 
@@ -112,12 +112,6 @@ def test_catalog_refuses_experts_that_do_not_fit(gate_up, down, k):
         lookup("experts").validate(instr, graph)
 
 
-def _edit_config(path, **fields) -> None:
-    config = json.loads((path / "config.json").read_text())
-    config.update(fields)
-    (path / "config.json").write_text(json.dumps(config))
-
-
 @pytest.mark.parametrize(("edit", "says"), [
     (dict(num_experts_per_tok=9), "num_experts_per_tok=9"),  # top-k beyond the expert count
     (dict(num_local_experts=6), "do not load"),  # an expert count unlike the weights
@@ -127,7 +121,7 @@ def test_an_expert_config_unlike_the_weights_is_one_export_error(tiny_checkpoint
 
     path = tmp_path / "ckpt"
     shutil.copytree(tiny_checkpoint("qwen3_moe"), path)
-    _edit_config(path, **edit)
+    edit_config(path, **edit)
     with pytest.raises(CheckpointError, match=says):
         load_model(load_checkpoint(path), "float32", "mlx_pte")
 
