@@ -6,9 +6,15 @@ as imported.
 experts it selected without materialising them. Prefill routes many tokens: there the
 (token, expert) pairs are sorted by expert first, so each expert's weights are read in
 one contiguous run (``sorted_indices``), and the results are put back in token order.
+
+MLX's CPU ``gather_mm`` is one BLAS call per (token, expert) pair, each packing that
+expert's whole weight, whatever the order. So on the CPU, once the pairs are at least as
+many as the experts, gate/up runs as one matmul over every expert's stacked rows (fewer
+bytes read, one call) and the selected experts' outputs are taken from it.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import mlx_pte.runtime.mlx.blas  # noqa: F401  (load an optimized BLAS before mlx.core)
@@ -55,47 +61,85 @@ def _topk(args: Args, attrs: dict[str, Any], ctx: RunContext) -> tuple[mx.array,
 ExpertMatmul = Callable[[mx.array, mx.array, bool], mx.array]
 
 
-def _biased(matmul: ExpertMatmul, bias: Optional[mx.array]) -> ExpertMatmul:
-    """``matmul`` plus each selected expert's bias row (``bias`` [E, N]), when there is one."""
+@dataclass(frozen=True)
+class ExpertWeights:
+    """One projection of ``experts`` experts, two ways to apply it."""
+
+    pairs: ExpertMatmul  # rows times the experts they selected
+    every: Callable[[mx.array], mx.array]  # x [T, K] -> [T, E, N]: x times every expert
+    experts: int
+
+
+def _biased(matmul: ExpertWeights, bias: Optional[mx.array]) -> ExpertWeights:
+    """``matmul`` plus each expert's bias row (``bias`` [E, N]), when there is one."""
     if bias is None:
         return matmul
-    return lambda rows, ids, is_sorted: matmul(rows, ids, is_sorted) + mx.expand_dims(bias[ids], -2)
+    return ExpertWeights(
+        lambda rows, ids, is_sorted: matmul.pairs(rows, ids, is_sorted) + mx.expand_dims(bias[ids], -2),
+        lambda x: matmul.every(x) + bias, matmul.experts,
+    )  # fmt: skip
 
 
-def _routed(x: mx.array, indices: mx.array, weights: mx.array, gate_up: ExpertMatmul, down: ExpertMatmul,
+def every_expert_pays(pairs: int, experts: int) -> bool:
+    """Whether one matmul over every expert beats ``gather_mm`` over ``pairs`` (see the
+    module docstring: on the CPU, from as many pairs as experts)."""
+    return pairs >= experts and mx.default_device().type == mx.DeviceType.cpu
+
+
+def _routed(x: mx.array, indices: mx.array, weights: mx.array, gate_up: ExpertWeights, down: ExpertWeights,
             gated: Gate) -> mx.array:  # fmt: skip
     t, k = indices.shape
     ids = indices.astype(mx.uint32)
-    if t * k >= SORT_FROM_PAIRS:
+    if every_expert_pays(t * k, gate_up.experts):
+        picked = mx.take_along_axis(gate_up.every(x), mx.expand_dims(ids, -1), axis=1)  # [T, k, 2I]
+        gate, up = mx.split(mx.expand_dims(picked, -2), 2, axis=-1)  # [T, k, 1, I] each
+        y = down.pairs(gated(gate, up), ids, False).squeeze(-2)  # [T, k, H]
+    elif t * k >= SORT_FROM_PAIRS:
         flat = ids.reshape(-1)
         order = mx.argsort(flat)
         ids_sorted = flat[order]
         rows = mx.expand_dims(x[order // k], -2)  # [T*k, 1, H], grouped by expert
-        gate, up = mx.split(gate_up(rows, ids_sorted, True), 2, axis=-1)
-        y = down(gated(gate, up), ids_sorted, True)
+        gate, up = mx.split(gate_up.pairs(rows, ids_sorted, True), 2, axis=-1)
+        y = down.pairs(gated(gate, up), ids_sorted, True)
         y = y[mx.argsort(order)].reshape(t, k, -1)
     else:
-        gate, up = mx.split(gate_up(mx.expand_dims(x, (-2, -3)), ids, False), 2, axis=-1)  # [T, k, 1, I] each
-        y = down(gated(gate, up), ids, False).squeeze(-2)  # [T, k, H]
+        gate, up = mx.split(gate_up.pairs(mx.expand_dims(x, (-2, -3)), ids, False), 2, axis=-1)  # [T, k, 1, I] each
+        y = down.pairs(gated(gate, up), ids, False).squeeze(-2)  # [T, k, H]
     return (y * mx.expand_dims(weights, -1)).sum(axis=1)
 
 
-def _dense(w: mx.array) -> ExpertMatmul:
-    w_t = w.swapaxes(-1, -2)
+def _dense(w: mx.array) -> ExpertWeights:
+    experts, n, k = w.shape
+    w_t, stacked = w.swapaxes(-1, -2), w.reshape(experts * n, k)
     if w.dtype == mx.float32 or mx.default_device().type != mx.DeviceType.cpu:
-        return lambda rows, ids, is_sorted: mx.gather_mm(rows, w_t, rhs_indices=ids, sorted_indices=is_sorted)
+        return ExpertWeights(
+            lambda rows, ids, is_sorted: mx.gather_mm(rows, w_t, rhs_indices=ids, sorted_indices=is_sorted),
+            lambda x: (x @ stacked.T).reshape(x.shape[0], experts, n), experts,
+        )  # fmt: skip
     # MLX's CPU gather_mm runs float32 only (see _gather_mm below): compute in float32, round once.
-    w_32 = w_t.astype(mx.float32)
-    return lambda rows, ids, is_sorted: mx.gather_mm(
-        rows.astype(mx.float32), w_32, rhs_indices=ids, sorted_indices=is_sorted
-    ).astype(rows.dtype)
+    w_32, stacked_32 = w_t.astype(mx.float32), stacked.astype(mx.float32)
+    return ExpertWeights(
+        lambda rows, ids, is_sorted: mx.gather_mm(
+            rows.astype(mx.float32), w_32, rhs_indices=ids, sorted_indices=is_sorted
+        ).astype(rows.dtype),
+        lambda x: (x.astype(mx.float32) @ stacked_32.T).astype(x.dtype).reshape(x.shape[0], experts, n),
+        experts,
+    )  # fmt: skip
 
 
-def _packed(w: mx.array, scales: mx.array, biases: Optional[mx.array], attrs: dict[str, Any]) -> ExpertMatmul:
+def _packed(w: mx.array, scales: mx.array, biases: Optional[mx.array], attrs: dict[str, Any]) -> ExpertWeights:
     kwargs = {"group_size": attrs["group_size"], "bits": attrs["bits"], "mode": attrs["mode"]}
-    return lambda rows, ids, is_sorted: mx.gather_qmm(
-        rows, w, scales, biases, rhs_indices=ids, transpose=True, sorted_indices=is_sorted, **kwargs
-    )
+    experts, n = w.shape[:2]
+    # Groups run along each row, so the experts' packed rows stack exactly.
+    stack = lambda part: None if part is None else part.reshape(experts * n, -1)
+    stacked = (stack(w), stack(scales), stack(biases))
+    return ExpertWeights(
+        lambda rows, ids, is_sorted: mx.gather_qmm(
+            rows, w, scales, biases, rhs_indices=ids, transpose=True, sorted_indices=is_sorted, **kwargs
+        ),
+        lambda x: mx.quantized_matmul(x, *stacked, transpose=True, **kwargs).reshape(x.shape[0], experts, n),
+        experts,
+    )  # fmt: skip
 
 
 @handles("experts")

@@ -35,8 +35,8 @@ from tests.fixtures.tiny_models import edit_config
 HIDDEN, INTER, EXPERTS, TOP_K = 16, 8, 4, 2
 
 
-def _hf_experts() -> GptOssExperts:
-    config = GptOssConfig(hidden_size=HIDDEN, intermediate_size=INTER, num_local_experts=EXPERTS)
+def _hf_experts(experts: int = EXPERTS) -> GptOssExperts:
+    config = GptOssConfig(hidden_size=HIDDEN, intermediate_size=INTER, num_local_experts=experts)
     config._experts_implementation = "eager"
     module = GptOssExperts(config)
     with torch.random.fork_rng(devices=[]):
@@ -47,12 +47,16 @@ def _hf_experts() -> GptOssExperts:
     return module
 
 
-@pytest.mark.parametrize("tokens", [1, 5, SORT_FROM_PAIRS])  # the last is past the sorting threshold
-def test_experts_match_hf_eager_experts(tokens: int):
-    module = _hf_experts()
+# (experts, tokens) taking the handler's paths on the CPU (tests/interpreter/test_moe.py's
+# EXPERT_PATHS): per pair; every expert at once (as many pairs as experts, and past
+# SORT_FROM_PAIRS); sorted by expert (past SORT_FROM_PAIRS, fewer pairs than experts).
+@pytest.mark.parametrize("experts, tokens", [(EXPERTS, 1), (EXPERTS, 5), (EXPERTS, SORT_FROM_PAIRS),
+                                             (2 * SORT_FROM_PAIRS, SORT_FROM_PAIRS // TOP_K)])  # fmt: skip
+def test_experts_match_hf_eager_experts(experts: int, tokens: int):
+    module = _hf_experts(experts)
     gen = torch.Generator().manual_seed(tokens)
     x = torch.randn(tokens, HIDDEN, generator=gen)
-    indices = torch.stack([torch.randperm(EXPERTS, generator=gen)[:TOP_K] for _ in range(tokens)])
+    indices = torch.stack([torch.randperm(experts, generator=gen)[:TOP_K] for _ in range(tokens)])
     weights = torch.rand(tokens, TOP_K, generator=gen)
     with torch.no_grad():
         want = module(x, indices, weights).numpy()

@@ -15,7 +15,7 @@ from mlx_pte.export.hf_checkpoint import load_checkpoint, load_model
 from mlx_pte.export.hf_errors import CheckpointError
 from mlx_pte.export.hf_export import export_hf
 from mlx_pte.interpreter.handlers import HANDLERS, RunContext
-from mlx_pte.interpreter.moe_handlers import SORT_FROM_PAIRS
+from mlx_pte.interpreter.moe_handlers import SORT_FROM_PAIRS, every_expert_pays
 from mlx_pte.interpreter.program import load
 from mlx_pte.interpreter.session import Session
 from mlx_pte.ir.catalog import lookup
@@ -26,8 +26,8 @@ from tests.fixtures.tiny_models import edit_config
 HIDDEN, INTER, EXPERTS = 16, 8, 6
 
 
-def _hf_experts(activation: str = "silu") -> Qwen3MoeExperts:
-    config = Qwen3MoeConfig(hidden_size=HIDDEN, moe_intermediate_size=INTER, num_experts=EXPERTS,
+def _hf_experts(activation: str = "silu", experts: int = EXPERTS) -> Qwen3MoeExperts:
+    config = Qwen3MoeConfig(hidden_size=HIDDEN, moe_intermediate_size=INTER, num_experts=experts,
                             hidden_act=activation)  # fmt: skip
     config._experts_implementation = "eager"
     module = Qwen3MoeExperts(config)
@@ -43,17 +43,33 @@ def _routed_case(module: Qwen3MoeExperts, tokens: int) -> tuple[list[torch.Tenso
     module's weights appended, as the experts op takes them, and HF's output for them."""
     gen = torch.Generator().manual_seed(tokens)
     x = torch.randn(tokens, HIDDEN, generator=gen)
-    indices = torch.stack([torch.randperm(EXPERTS, generator=gen)[:2] for _ in range(tokens)])
+    experts = module.gate_up_proj.shape[0]
+    indices = torch.stack([torch.randperm(experts, generator=gen)[:2] for _ in range(tokens)])
     weights = torch.rand(tokens, 2, generator=gen)
     with torch.no_grad():
         want = module(x, indices, weights).numpy()
     return [x, indices, weights, module.gate_up_proj.detach(), module.down_proj.detach()], want
 
 
-@pytest.mark.parametrize("tokens", [1, 5, SORT_FROM_PAIRS])  # the last is past the sorting threshold
+# (experts, tokens) taking each of the handler's three paths on the CPU, two picks a token:
+# per (token, expert) pair; one matmul over every expert, from as many pairs as experts;
+# pairs sorted by expert, from SORT_FROM_PAIRS pairs when those are fewer than the experts.
+EXPERT_PATHS = {"pairs": (EXPERTS, 1), "every": (EXPERTS, 5), "every_long": (EXPERTS, SORT_FROM_PAIRS),
+                "sorted": (2 * SORT_FROM_PAIRS, SORT_FROM_PAIRS // 2)}  # fmt: skip
+
+
+def test_expert_paths_cover_each_path():
+    taken = {name: (every_expert_pays(2 * tokens, experts), 2 * tokens >= SORT_FROM_PAIRS)
+             for name, (experts, tokens) in EXPERT_PATHS.items()}  # fmt: skip
+    assert taken == {"pairs": (False, False), "every": (True, False), "every_long": (True, True),
+                     "sorted": (False, True)}  # fmt: skip
+
+
+@pytest.mark.parametrize("path", sorted(EXPERT_PATHS))
 @pytest.mark.parametrize("activation", ["silu", "gelu_pytorch_tanh"])
-def test_experts_match_hf_experts(tokens: int, activation: str):
-    inputs, want = _routed_case(_hf_experts(activation), tokens)
+def test_experts_match_hf_experts(path: str, activation: str):
+    experts, tokens = EXPERT_PATHS[path]
+    inputs, want = _routed_case(_hf_experts(activation, experts), tokens)
     args = [mx.array(a.numpy()) for a in inputs]
     got = HANDLERS["experts"](args, {"activation": activation}, RunContext())
     np.testing.assert_allclose(np.array(got), want, atol=1e-5, rtol=0)
@@ -126,12 +142,13 @@ def test_an_expert_config_unlike_the_weights_is_one_export_error(tiny_checkpoint
         load_model(load_checkpoint(path), "float32", "mlx_pte")
 
 
-def test_long_prefill_sorted_by_expert_matches_hf(tiny_checkpoint, tmp_path):
-    """30 tokens x top 3 routes past SORT_FROM_PAIRS, so prefill takes the sorted path."""
+def test_long_prefill_matches_hf(tiny_checkpoint, tmp_path):
+    """30 tokens x top 3 of 8 experts: past SORT_FROM_PAIRS, and on the CPU past the
+    experts' count, so prefill multiplies by every expert at once."""
     path = tiny_checkpoint("qwen3_moe")
     program = load(export_hf(path, tmp_path / "m.pte", max_step=32, progress=False))
     prompt = list(range(40, 70))
-    assert len(prompt) * 3 >= SORT_FROM_PAIRS
+    assert len(prompt) * 3 >= SORT_FROM_PAIRS and every_expert_pays(len(prompt) * 3, 8)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True).eval()
     with torch.no_grad():
         want = hf(torch.tensor([prompt]), use_cache=False).logits[0].numpy()
@@ -165,11 +182,12 @@ def test_group_size_dividing_one_experts_width_is_one_export_error(tiny_checkpoi
     assert not list(tmp_path.iterdir())
 
 
-@pytest.mark.parametrize("tokens", [3, SORT_FROM_PAIRS])
-def test_bfloat16_experts_run_on_the_cpu_within_bfloat16_rounding_of_hf(tokens: int):
+@pytest.mark.parametrize("path", sorted(EXPERT_PATHS))
+def test_bfloat16_experts_run_on_the_cpu_within_bfloat16_rounding_of_hf(path: str):
     """MLX's CPU gather_mm takes float32 only; half-precision experts compute in float32 there
     (on a GPU the kernel takes bfloat16 itself)."""
-    inputs, want = _routed_case(_hf_experts(), tokens)
+    experts, tokens = EXPERT_PATHS[path]
+    inputs, want = _routed_case(_hf_experts(experts=experts), tokens)
     as_bf16 = [mx.array(a.numpy()).astype(mx.bfloat16) if a.is_floating_point() else mx.array(a.numpy())
                for a in inputs]  # fmt: skip
     got = HANDLERS["experts"](as_bf16, {"activation": "silu"}, RunContext())
