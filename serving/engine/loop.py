@@ -51,7 +51,8 @@ from .requests import (
     check_request,
 )
 from .runner import Failures, Flight, Runner
-from .scheduler import Limits, Scheduler, StepPlan
+from .scheduler import Limits, Scheduler
+from .step_plan import StepPlan
 
 class Engine:
     """Continuous batching of generation requests over one batched cache.

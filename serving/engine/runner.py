@@ -27,7 +27,7 @@ from ..sampling.grammar import masks
 from ..sampling.logprobs import logprob_arrays, read
 from ..sampling.token_masks import apply_masks
 from .jobs import Draw, Job
-from .scheduler import StepPlan
+from .step_plan import StepPlan
 
 if TYPE_CHECKING:
     from mlx_pte.interpreter.session import Session
