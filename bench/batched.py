@@ -67,12 +67,12 @@ def prompts_for(batch: int, length: int, vocab: int, round_number: int = 0) -> l
     return rng.integers(0, vocab, (batch, length)).tolist()
 
 
-def warmed_engine(program, kind: str, capacity: int, dtype: str):
+def warmed_engine(program, kind: str, capacity: int, dtype: str, launch: Optional[str] = None):
     """An Engine of ``kind`` whose compile buckets are traced; prints the seconds it took."""
     from mlx_pte.serving.engine import Engine
 
-    engine = Engine(program, kind, capacity=capacity, kv_dtype=dtype)
-    print(f"{kind}: warmed up in {engine.warm_up():.1f} s", flush=True)
+    engine = Engine(program, kind, capacity=capacity, kv_dtype=dtype, launch=launch)
+    print(f"{kind} ({engine.session.launch_mode} launch): warmed up in {engine.warm_up():.1f} s", flush=True)
     return engine
 
 
@@ -126,6 +126,9 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                         help="compute dtype of both engines (and of the export)")
     parser.add_argument("--kinds", default=",".join(KINDS), help="comma-separated mlx-pte cache kinds")
+    parser.add_argument("--launch", default=None, metavar="MODE,MODE",
+                        help="mlx-pte launch modes (inline, thread), each a row of every kind; "
+                             "default: the session's default for the device")
     args = parser.parse_args()
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
@@ -138,7 +141,9 @@ def main() -> None:
 def run(args: argparse.Namespace) -> None:
     """The benchmark for parsed ``args`` (gpu_decode.py calls this after installing MLX)."""
     batches = [int(b) for b in args.batches.split(",")]
-    kinds = args.kinds.split(",")
+    launches = args.launch.split(",") if getattr(args, "launch", None) else [None]
+    variants = [(kind, launch) for kind in args.kinds.split(",") for launch in launches]
+    kinds = [name_of(kind, launch) for kind, launch in variants]
     vocab = json.loads((args.model_dir / "config.json").read_text())["vocab_size"]
 
     from mlx_pte.interpreter.program import load
@@ -155,7 +160,8 @@ def run(args: argparse.Namespace) -> None:
     model = load_mlx_lm(args.model_dir, args.dtype)
 
     capacity = max(batches) * (args.prompt + args.generate)
-    engines = {kind: warmed_engine(program, kind, capacity, args.dtype) for kind in kinds}
+    engines = {name_of(kind, launch): warmed_engine(program, kind, capacity, args.dtype, launch)
+               for kind, launch in variants}
     bench_mlx_lm(model, prompts_for(2, 8, vocab), 4)  # loads its kernels
 
     runners: dict[str, Callable[[list[list[int]]], Rates]] = {
@@ -172,7 +178,13 @@ def run(args: argparse.Namespace) -> None:
     print_tables(args, kinds, rows)
 
 
-SHORT = {"batched-cell": "cell", "batched-sequence": "sequence"}
+SHORT = {"batched-cell": "cell", "batched-sequence": "sequence",
+         "batched-cell+thread": "cell+thr", "batched-sequence+thread": "seq+thr"}
+
+
+def name_of(kind: str, launch: Optional[str]) -> str:
+    """An engine's row: its kind, marked when it launches on a thread."""
+    return f"{kind}+thread" if launch == "thread" else kind
 
 
 def print_tables(args: argparse.Namespace, kinds: list[str], rows: dict[int, dict[str, list[Rates]]]) -> None:
@@ -182,7 +194,8 @@ def print_tables(args: argparse.Namespace, kinds: list[str], rows: dict[int, dic
     pairs = [(k, "mlx-lm") for k in kinds]
     if set(KINDS) <= set(kinds):
         pairs.append(("batched-sequence", "batched-cell"))
-    label = {"mlx-lm": "lm", **{k: SHORT[k][:4] for k in KINDS}}
+    pairs += [(k, k.removesuffix("+thread")) for k in kinds if k.endswith("+thread") and k.removesuffix("+thread") in kinds]
+    label = {"mlx-lm": "lm", **{k: SHORT[k][:4] for k in KINDS}, **{k + "+thread": SHORT[k][:3] + "+t" for k in KINDS}}
     for title, pick in (("decode tok/s", lambda r: r.decode_tps), ("end-to-end tok/s", lambda r: r.e2e_tps)):
         print(f"\n{title}")
         print(f"{'B':>3} " + " ".join(f"{SHORT[k]:>9}" for k in kinds) + f" {'mlx-lm':>9} "

@@ -201,6 +201,10 @@ class Capture:
             padded = dict(real)  # no way to tell context ops which rows are real: no padding
         padded_arrays = [self._pad_input(t, a, padded) for t, a in zip(self._input_types, arrays)]
         key: ShapeKey = tuple(tuple(a.shape) for a in padded_arrays)
+        # MLX creates a thread's default stream on first use, and its compile cache (one per
+        # thread) keys each entry on that stream: a segment first called on a thread before
+        # the stream exists would be traced again on its next call there.
+        mx.default_stream(mx.default_device())
         shape = self._shapes.get(key)
         if shape is None:
             shape = self._shapes[key] = self._compile()
@@ -257,10 +261,6 @@ class Capture:
         values[step.outputs[0]] = _pad(out, part.axes.result, padded) if tokens != padded else out
 
     def _compile(self) -> _Shape:
-        # MLX creates the default stream on first use, and its compile cache keys each
-        # entry on that stream: a trace made before the stream exists would be missed
-        # (and retraced) on its next call.
-        mx.default_stream(mx.default_device())
         shape = _Shape(calls=[])
         for part in self.parts:
             if isinstance(part, ContextCall):

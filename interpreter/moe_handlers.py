@@ -24,6 +24,8 @@ import mlx.core as mx
 
 from mlx_pte.ir.catalog_moe import CLAMPED_SWIGLU
 
+from mlx_pte.runtime.mlx.launcher import evaluate
+
 from .handlers import _GLU, Args, RunContext, handles
 
 # (token, expert) pairs from which sorting by expert pays for its two argsorts and gathers
@@ -182,4 +184,5 @@ def _gather_qmm(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx.array:
 
 @handles("item")
 def _item(args: Args, attrs: dict[str, Any], ctx: RunContext) -> int:
+    evaluate([args[0]])
     return int(args[0].item())

@@ -14,6 +14,7 @@ from typing import Any, Mapping, Optional, Sequence, Union
 import numpy as np
 
 from mlx_pte.runtime.mlx.bootstrap import mx
+from mlx_pte.runtime.mlx.launcher import evaluate as evaluate_arrays
 
 from mlx_pte.ir.errors import FormatError
 from mlx_pte.ir.graph import Graph, SymDim, TensorType
@@ -208,7 +209,7 @@ class Program:
         else:
             outputs = self._walk(arrays, ctx)
         if evaluate:
-            mx.eval(outputs)
+            evaluate_arrays(outputs)
         return outputs
 
     def _walk(self, arrays: list[mx.array], ctx: RunContext) -> list[mx.array]:

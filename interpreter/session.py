@@ -27,6 +27,9 @@ from mlx_pte.runtime.cache import (
     Step,
 )
 
+from mlx_pte.runtime.launch_modes import LAUNCH_MODES
+from mlx_pte.runtime.mlx.launcher import Launcher, launcher_for
+
 from .text import checked_manifest
 
 
@@ -62,10 +65,17 @@ def check_cache_ids(graph: Graph, manifest: Manifest) -> None:
 DEFAULT_MAX_STEP = {"cpu": 256, "gpu": 2048}
 
 
+# How steps are handed to MLX when none is asked for, per device (``runtime.mlx.launcher``).
+DEFAULT_LAUNCH = {"cpu": "inline", "gpu": "inline"}
+
+
+def _device() -> str:
+    return "gpu" if mx.default_device() == mx.gpu else "cpu"
+
+
 def default_max_step(bound: int) -> int:
     """The run-time prefill chunk for MLX's default device, at most ``bound``."""
-    device = "gpu" if mx.default_device() == mx.gpu else "cpu"
-    return min(bound, DEFAULT_MAX_STEP[device])
+    return min(bound, DEFAULT_MAX_STEP[_device()])
 
 
 def _int_array(name: str, values: Sequence[int] | np.ndarray) -> np.ndarray:
@@ -91,6 +101,9 @@ class Session:
         capture: run the program captured (``mx.compile``d segments between attention
             calls, shapes bucketed: see ``interpreter.capture``); False walks the steps.
             Results are the same either way.
+        launch: how ``generate`` and the engine hand steps to MLX: "thread" encodes them
+            on a thread of their own while the host builds the next, "inline" on the
+            building thread; default: per device (DEFAULT_LAUNCH). Results are the same.
     """
 
     def __init__(
@@ -104,6 +117,7 @@ class Session:
         max_seqs: Optional[int] = None,
         capture: bool = True,
         max_step: Optional[int] = None,
+        launch: Optional[str] = None,
     ) -> None:
         self.program = program
         self.capture = capture
@@ -116,6 +130,9 @@ class Session:
             raise SessionError(f"max_step must be an integer in [1, {bound}] (the export's bound; re-export "
                                f"with a larger --max-step for longer chunks), got {max_step!r}")
         self._max_step = max_step if max_step is not None else default_max_step(bound)
+        if launch is not None and launch not in LAUNCH_MODES:
+            raise SessionError(f"launch must be one of {', '.join(LAUNCH_MODES)}, got {launch!r}")
+        self.launch_mode = launch or DEFAULT_LAUNCH[_device()]
         config = CacheConfig(
             capacity=capacity if capacity is not None else self.manifest.max_context,
             # A forward writes at most max_step tokens per sequence.
@@ -125,6 +142,12 @@ class Session:
             max_seqs=max_seqs,
         )
         self.cache: CacheControl = CACHE_FACTORY.build(backend, kind, cache_geometry(self.manifest), config)
+
+    @property
+    def launcher(self) -> Launcher:
+        """The calling thread's launcher of this session's mode: build a step inside its
+        ``building()`` and hand it over with ``launch`` (``runtime.mlx.launcher``)."""
+        return launcher_for(self.launch_mode)
 
     @property
     def max_step(self) -> int:

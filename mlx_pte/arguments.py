@@ -11,6 +11,7 @@ from typing import Callable, Optional, Sequence
 
 from mlx_pte.interpreter.template_budget import DEFAULT_BUDGET as DEFAULT_TEMPLATE_BUDGET
 from mlx_pte.runtime.cache import KINDS, KV_DTYPES
+from mlx_pte.runtime.launch_modes import LAUNCH_MODES
 from mlx_pte.serving.engine import DEFAULT_CAPACITY_CONTEXTS
 from mlx_pte.serving.openai.request_body import (
     DEFAULT_BODY_TIMEOUT,
@@ -82,6 +83,14 @@ def add_max_step_argument(parser: argparse.ArgumentParser) -> None:
                         "default: 2048 on the GPU, 256 on the CPU, within that bound")
 
 
+def add_launch_argument(parser: argparse.ArgumentParser) -> None:
+    """How steps are handed to MLX (``Session(launch=...)``)."""
+    parser.add_argument("--launch", default=None, choices=LAUNCH_MODES,
+                        help="thread: MLX encodes each step on a thread of its own while the next is built "
+                        "(host-bound steps: a GPU); inline: on the building thread; default: per device "
+                        "(see the README)")
+
+
 def add_batching_arguments(parser: argparse.ArgumentParser) -> None:
     """Options that size the engine (``serve`` and ``run --prompts``)."""
     parser.add_argument("--max-batch-tokens", type=positive_int, default=None,
@@ -130,6 +139,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add_cache_arguments(parser, KINDS, "batched-sequence", "batched-sequence",
                         f"{DEFAULT_CAPACITY_CONTEXTS} x the model's max context")
     add_batching_arguments(parser)
+    add_launch_argument(parser)
     parser.add_argument("--max-body-bytes", type=positive_int, default=DEFAULT_MAX_BODY_BYTES,
                         help=f"largest request body; larger ones get 413 (default: {DEFAULT_MAX_BODY_BYTES})")
     parser.add_argument("--header-timeout", type=positive_float, default=DEFAULT_HEADER_TIMEOUT,

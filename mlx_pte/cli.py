@@ -26,6 +26,7 @@ from mlx_pte.serving.parallel import ranks as tensor_parallel
 from .report import describe, quantization_report
 from .arguments import (
     add_batching_arguments,
+    add_launch_argument,
     add_max_step_argument,
     add_cache_arguments,
     add_sampling_arguments,
@@ -227,6 +228,7 @@ def run_command(parser: argparse.ArgumentParser) -> Handler:
     add_template_budget_argument(parser)
     add_batching_arguments(parser)
     add_max_step_argument(parser)
+    add_launch_argument(parser)
     add_sampling_arguments(parser)
     tensor_parallel.add_tp_argument(parser)
 
@@ -259,7 +261,7 @@ def _run_prompt(args: argparse.Namespace, program) -> int:
     from mlx_pte.serving.generation import generate
 
     session = Session(program, kind=args.cache or "single", capacity=args.capacity,
-                      kv_dtype=args.kv_dtype, max_seqs=args.max_seqs, max_step=args.max_step)
+                      kv_dtype=args.kv_dtype, max_seqs=args.max_seqs, max_step=args.max_step, launch=args.launch)
     prompt = args.prompt
     if args.chat:
         codec = TextCodec(session.manifest, template_budget=args.template_budget)
@@ -291,7 +293,8 @@ def run_prompts(args: argparse.Namespace) -> int:
 
     def engine_for(group):
         engine = open_engine(args.model, args.cache or KIND_BATCHED_SEQUENCE, args.capacity, args.max_batch_tokens,
-                             args.max_seqs, args.kv_dtype, args.tokenizer, args.prompt_cache_tokens, group=group)
+                             args.max_seqs, args.kv_dtype, args.tokenizer, args.prompt_cache_tokens, group=group,
+                             launch=args.launch)
         if engine.codec is not None:
             engine.codec.template_budget = args.template_budget
         return engine
@@ -331,10 +334,13 @@ def serve_command(parser: argparse.ArgumentParser) -> Handler:
 
         def engine_for(group):
             return open_engine(args.model, args.cache, args.capacity, args.max_batch_tokens, args.max_seqs,
-                               args.kv_dtype, args.tokenizer, args.prompt_cache_tokens, group=group)
+                               args.kv_dtype, args.tokenizer, args.prompt_cache_tokens, group=group,
+                               launch=args.launch)
 
         def serve_engine(engine) -> None:
-            # Every compile bucket is traced before the port opens, so no request pays for it.
+            # Every compile bucket is traced before the port opens, so no request pays for it,
+            # on the engine's own thread, where its steps run (MLX keeps compiled graphs per thread).
+            engine.start()
             print(f"warmed up {engine.kind} engine in {engine.warm_up():.1f} s", file=sys.stderr, flush=True)
             serve(engine, args.model_id or Path(args.model).stem, args.host, args.port,
                   BodyLimits(args.max_body_bytes, args.body_timeout), args.header_timeout, args.keep_alive,

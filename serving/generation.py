@@ -5,8 +5,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence, Union
 
-from mlx_pte.runtime.mlx.bootstrap import mx
-
 from mlx_pte.runtime.cache import CacheRefused
 
 from .sampling.device import TokenStream, draw
@@ -89,26 +87,29 @@ def _generate(session, ids, seq_id, max_new_tokens, sampling, codec, on_text, st
     eos = set(session.manifest.eos_token_ids) if stop_on_eos else set()
     decoder = IncrementalDecoder(codec) if codec else None
 
+    launcher = session.launcher
     t0 = time.perf_counter()
     logits = None
-    for at in range(0, len(ids), session.max_step):
-        chunk = ids[at : at + session.max_step]
-        try:
-            logits = session.forward(chunk, seq_ids=seq_id, rows=[len(chunk) - 1], evaluate=False)
-        except CacheRefused as refused:
-            raise GenerationError(f"the prompt does not fit: {refused.reason}") from None
-    # Tokens are chosen on the device: only their ids come back, never the logits.
-    pending = draw(logits, [stream])
+    with launcher.building():
+        for at in range(0, len(ids), session.max_step):
+            chunk = ids[at : at + session.max_step]
+            try:
+                logits = session.forward(chunk, seq_ids=seq_id, rows=[len(chunk) - 1], evaluate=False)
+            except CacheRefused as refused:
+                raise GenerationError(f"the prompt does not fit: {refused.reason}") from None
+        # Tokens are chosen on the device: only their ids come back, never the logits.
+        pending = draw(logits, [stream])
+    launched = launcher.launch([pending], readable=[pending])
     t1 = 0.0
     while True:
         # The next step is built from the still-unevaluated token, so the host builds step
         # n+1 while the device computes step n; the cache needs only its position.
         more = len(result.tokens) + 1 < max_new_tokens and bool(cache.can_extend(seq_id, 1))
         if more:
-            logits = session.forward(pending, seq_ids=seq_id, evaluate=False)
-            following = draw(logits, [stream])
-            mx.async_eval(following)
-        token = int(pending.item())
+            with launcher.building():
+                following = draw(session.forward(pending, seq_ids=seq_id, evaluate=False), [stream])
+            following_launched = launcher.launch([following], readable=[following])
+        token = int(launched.read().item())
         if not result.tokens:
             t1 = time.perf_counter()
             result.prefill_seconds = t1 - t0
@@ -125,7 +126,7 @@ def _generate(session, ids, seq_id, max_new_tokens, sampling, codec, on_text, st
         if not more:
             result.finish_reason = "length" if len(result.tokens) >= max_new_tokens else "capacity"
             break
-        pending = following
+        pending, launched = following, following_launched
     result.decode_seconds = time.perf_counter() - t1
     if decoder and on_text:
         tail = decoder.flush()

@@ -38,6 +38,7 @@ from mlx_pte.runtime.cache.plans import Layout
 from mlx_pte.runtime.cache.step import MAX_INDEX
 
 from .attention import attend
+from .launcher import evaluate
 from mlx_pte.runtime.cache.attend_checks import check_attend
 from .masks import StepMemo, run_mask
 from .padded import PaddedBatch, attend_padded, plan_padded
@@ -195,6 +196,6 @@ class MLXBatchedSequenceCache(SequencePools, BatchedSequenceCache):
         # the whole pool, every layer. Measured on the 135M model, 2 CPU cores, 8 forks
         # of ~500 positions into 24-row pools of 2,048 slots: 1.7 s lazily, 0.08 s so.
         # The sync waits for the step in flight, once per fork.
-        mx.eval([prefix for _, prefix in copies])
+        evaluate([prefix for _, prefix in copies])
         for pool, prefix in copies:
             pool.write_prefix(dst, prefix)

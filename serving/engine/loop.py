@@ -24,6 +24,7 @@ alternatives, from the same (masked) rows.
 from __future__ import annotations
 
 import dataclasses
+import queue
 import threading
 import time
 from typing import Any, Callable, Optional
@@ -69,6 +70,7 @@ class Engine:
         prompt_cache_tokens: the most tokens finished requests' sequences keep in the cache
             for later prompts to fork (0, the default here, keeps none; ``open_engine``
             defaults to the capacity). They use only room no request has reserved.
+        launch: how steps are handed to MLX ("thread" or "inline"; see Session).
     """
 
     def __init__(
@@ -81,6 +83,7 @@ class Engine:
         kv_dtype: Optional[str] = None,
         initial_capacity: int = 512,
         prompt_cache_tokens: int = 0,
+        launch: Optional[str] = None,
     ) -> None:
         if isinstance(prompt_cache_tokens, bool) or not isinstance(prompt_cache_tokens, int) or prompt_cache_tokens < 0:
             raise EngineError(f"prompt_cache_tokens must be an integer >= 0, got {prompt_cache_tokens!r}")
@@ -92,7 +95,7 @@ class Engine:
         self._sampling = device_sampling
         self.session = Session(
             program, kind, capacity=capacity, kv_dtype=kv_dtype,
-            initial_capacity=initial_capacity, max_seqs=max_seqs,
+            initial_capacity=initial_capacity, max_seqs=max_seqs, launch=launch,
         )
         self.kind = kind
         self.cache = self.session.cache
@@ -116,6 +119,8 @@ class Engine:
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._inbox: list[Job] = []
+        # Run on the worker before its next step (True), or told it never will (False).
+        self._tasks: list[Callable[[bool], None]] = []
         self._next_id = 0
         self._worker: Optional[threading.Thread] = None
         self._stopping = False
@@ -221,6 +226,12 @@ class Engine:
     def step(self) -> bool:
         """One iteration of the data path (the module docstring gives its order). False
         if idle."""
+        # Everything the step makes on the device (forwards, draws, the scheduler's forks
+        # of K/V) is built for the session's launcher, in the order it is launched.
+        with self.session.launcher.building():
+            return self._step()
+
+    def _step(self) -> bool:
         start, self._waited = time.perf_counter(), 0.0
         self._take_inbox()
         self._cancel()
@@ -254,15 +265,39 @@ class Engine:
     def warm_up(self) -> float:
         """Trace every shape bucket a step of this engine can take (token counts up to the
         token budget, and as many sampled rows), so no request waits for a compilation;
-        returns the seconds it took. Call it before submitting anything.
+        returns the seconds it took. Call it before submitting anything; once ``start``ed,
+        the warm-up runs on the engine's thread (MLX keeps compiled graphs per thread).
 
         Raises:
             EngineError: the engine already holds requests.
         """
-        from mlx_pte.interpreter.capture import bucket
-
         if self.has_work or self.scheduler.has_work:
             raise EngineError("warm the engine up before submitting requests")
+        worker = self._worker
+        if worker is None or worker is threading.current_thread():
+            return self._warm_up()
+        done: "queue.SimpleQueue[tuple[Optional[float], Optional[BaseException]]]" = queue.SimpleQueue()
+
+        def task(run: bool) -> None:
+            if not run:
+                done.put((None, EngineError("the engine stopped before it warmed up")))
+                return
+            try:
+                done.put((self._warm_up(), None))
+            except BaseException as exc:
+                done.put((None, exc))
+
+        with self._wake:
+            self._tasks.append(task)
+            self._wake.notify()
+        seconds, error = done.get()
+        if error is not None:
+            raise error
+        return seconds  # type: ignore[return-value]
+
+    def _warm_up(self) -> float:
+        from mlx_pte.interpreter.capture import bucket
+
         start = time.perf_counter()
         most = min(self.limits.token_budget, self.limits.capacity)
         sizes = sorted({bucket(n, self.session.max_step) for n in range(1, most + 1)})
@@ -295,16 +330,32 @@ class Engine:
             self._worker = None
         self._take_inbox()
         self._in_flight = None
+        with self._lock:
+            tasks, self._tasks = self._tasks, []
+        for task in tasks:
+            task(False)
         for job in self.scheduler.jobs():
             self._fail(job, "the engine stopped before the request finished")
 
     def _loop(self) -> None:
+        from mlx_pte.runtime.mlx.launcher import release_thread_state
+
+        try:
+            self._serve()
+        finally:
+            release_thread_state()
+
+    def _serve(self) -> None:
         while True:
             with self._wake:
-                while not self._stopping and not (self._inbox or self.scheduler.has_work or self._in_flight):
+                while not (self._stopping or self._tasks or self._inbox or self.scheduler.has_work
+                           or self._in_flight):
                     self._wake.wait()
                 if self._stopping:
                     return
+                tasks, self._tasks = self._tasks, []
+            for task in tasks:  # each reports its own outcome
+                task(True)
             try:
                 self.step()
             except Exception as exc:  # an engine bug must not kill the server
@@ -405,7 +456,7 @@ def _seeded(params: SamplingParams, index: int) -> SamplingParams:
 def open_engine(model: str, kind: str, capacity: Optional[int] = None, max_batch_tokens: Optional[int] = None,
                 max_seqs: Optional[int] = None, kv_dtype: Optional[str] = None,
                 tokenizer: Optional[str] = None, prompt_cache_tokens: Optional[int] = None,
-                group: Any = None) -> Engine:
+                group: Any = None, launch: Optional[str] = None) -> Engine:
     """An engine over the program in the .pte file ``model`` (tokenizer, group: see ``load``);
     capacity defaults to room for a few full-context requests at once, the prompt store
     to the whole capacity (retained prompts only use room no request has reserved)."""
@@ -415,5 +466,5 @@ def open_engine(model: str, kind: str, capacity: Optional[int] = None, max_batch
     if capacity is None:
         capacity = DEFAULT_CAPACITY_CONTEXTS * int(program.manifest["max_context"])
     return Engine(program, kind, capacity=capacity, max_batch_tokens=max_batch_tokens, max_seqs=max_seqs,
-                  kv_dtype=kv_dtype,
+                  kv_dtype=kv_dtype, launch=launch,
                   prompt_cache_tokens=capacity if prompt_cache_tokens is None else prompt_cache_tokens)

@@ -1,8 +1,11 @@
 """A step plan put on the device: the forward, grammar masks, token draws, logprobs.
 
 Everything here is queued lazily: the host goes on planning while the device computes.
-Failures come back as data (``(job, reason)`` pairs) for the loop to end those requests;
-nothing here ends a request itself.
+Graphs are built inside the session's launcher's ``building()`` and handed over with its
+``launch`` (``runtime.mlx.launcher``: encoded inline or on a thread of its own); the host
+reads what it launched only through the launch's copies. Failures come back as data
+(``(job, reason)`` pairs) for the loop to end those requests; nothing here ends a request
+itself.
 
 A failed forward leaves the cache as it was (the session aborts the step). With one
 request in the step, that request failed; with several, each is run alone, evaluated at
@@ -21,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional, Sequence
 
 from mlx_pte.runtime.mlx.bootstrap import mx
+from mlx_pte.runtime.mlx.launcher import Launched
 
 from ..sampling import device as device_sampling
 from ..sampling.grammar import masks
@@ -48,6 +52,7 @@ class Part:
     rows: list[int]  # each draw's row of ``logits``
     ids: Optional[mx.array] = None
     logprobs: Optional[tuple] = None
+    launched: Optional[Launched] = None  # its last launch: ids and logprobs, else logits
 
     @property
     def constrained(self) -> bool:
@@ -73,11 +78,12 @@ class Flight:
     """A dispatched step whose token ids the host has not read yet."""
 
     plan: StepPlan  # what ran: the whole step, or the parts that worked
-    ids: Optional[mx.array]  # one drawn token per entry of ``draws``; None when none
-    logits: mx.array
+    ids: Optional[mx.array]  # one drawn token per entry of ``draws`` (fed to the next step); None when none
+    launched: Launched  # its readable copies: the ids (or, drawing none, the logits) first
     draws: list[Draw]
     dispatched: float
-    # (index of its first draw, logprob_arrays, each draw's top count or None) per part
+    # (index of its first draw, the launch's copies of its logprob_arrays, each draw's top
+    # count or None) per part
     logprobs: list[tuple[int, tuple, list[Optional[int]]]] = field(default_factory=list)
     read: bool = False
 
@@ -100,13 +106,13 @@ class Runner:
         """Queue the step's forward, and its draws unless a sample is constrained."""
         dispatched = time.perf_counter()
         try:
-            part = self._queue(plan, previous)
+            with self.session.launcher.building():
+                part = self._queue(plan, previous)
         except Exception as exc:
             if len(plan.jobs) == 1:
                 return Launch([], _forward_failed(plan, exc), False, dispatched)
             return self._launch_alone(plan, previous, dispatched)
-        # A step that only prefills draws nothing; its logits stand for its work.
-        mx.async_eval(part.ids if part.ids is not None else part.logits)
+        part.launched = self._launch(part)
         return Launch([part], [], False, dispatched)
 
     def _launch_alone(self, plan: StepPlan, previous: Optional[Flight], dispatched: float) -> Launch:
@@ -114,46 +120,59 @@ class Runner:
         for job in list(plan.jobs.values()):
             share = plan.only(job)
             try:
-                part = self._queue(share, previous)
-                mx.eval(part.ids if part.ids is not None else part.logits)
+                with self.session.launcher.building():
+                    part = self._queue(share, previous)
+                part.launched = _settled(self._launch(part))
             except Exception as exc:
                 failures += _forward_failed(share, exc)
                 continue
             parts.append(part)
         return Launch(parts, failures, True, dispatched)
 
+    def _launch(self, part: Part) -> Launched:
+        """Hand the part's graph to MLX: its ids and logprobs, or (drawing nothing yet) its
+        logits, which stand for the step's work."""
+        arrays = [part.ids, *(part.logprobs or ())] if part.ids is not None else [part.logits]
+        return self.session.launcher.launch(arrays, readable=arrays)
+
     def draw(self, launch: Launch) -> tuple[Optional[Flight], Failures]:
         """Queue the draws ``launch`` still owes (the constrained ones: the previous step
         must have been read, for the masks), and the flight of everything that ran."""
         failures: Failures = []
-        plan, ids, draws, logprobs, logits = StepPlan(), [], [], [], None
+        launcher = self.session.launcher
+        plan, ids, draws, logprobs = StepPlan(), [], [], []
         for part in launch.parts:
             ran = True
             if part.ids is None and part.draws:
                 try:
-                    part.ids, part.logprobs = self._draw(part, failures)
-                    (mx.eval if launch.alone else mx.async_eval)(part.ids)
+                    with launcher.building():
+                        part.ids, part.logprobs = self._draw(part, failures)
+                    part.launched = self._launch(part)
+                    if launch.alone:
+                        _settled(part.launched)
                 except Exception as exc:
                     failures += _forward_failed(part.plan, exc)
                     if not launch.alone:
                         return None, failures
                     # Its requests fail; its draws keep their places so that later
                     # parts' samples find their tokens where the scheduler counted them.
-                    part.ids, part.logprobs, ran = mx.zeros(len(part.draws), dtype=mx.uint32), None, False
+                    with launcher.building():
+                        part.ids, part.logprobs, ran = mx.zeros(len(part.draws), dtype=mx.uint32), None, False
             if ran:
                 plan.absorb(part.plan)
             if part.ids is not None:
                 ids.append(part.ids)
             logprobs += _logprob_parts(part, len(draws))
             draws += part.draws
-            logits = part.logits
-        if logits is None:
+        if not launch.parts:
             return None, failures
         if not launch.alone:
             (part,) = launch.parts
-            return Flight(part.plan, part.ids, part.logits, part.draws, launch.dispatched, logprobs), failures
-        return Flight(plan, mx.concatenate(ids) if ids else None, logits, draws,
-                      launch.dispatched, logprobs), failures
+            return Flight(part.plan, part.ids, part.launched, part.draws, launch.dispatched, logprobs), failures
+        with launcher.building():
+            joined = mx.concatenate(ids) if ids else launch.parts[-1].logits
+        launched = launcher.launch([joined], readable=[joined])
+        return Flight(plan, joined if ids else None, launched, draws, launch.dispatched, logprobs), failures
 
     def warm_up(self, sizes: Sequence[int]) -> None:
         """One forward for every pair of token count and sampled-row count in ``sizes``
@@ -166,7 +185,10 @@ class Runner:
                 live = cache.live_seqs()
                 seq = live[0] if live else cache.seq_new()
                 try:
-                    self.session.forward([0] * tokens, list(range(tokens)), seq, list(range(tokens - rows, tokens)))
+                    # Built as the steps are (compiled segments are kept per stream).
+                    with self.session.launcher.building():
+                        self.session.forward([0] * tokens, list(range(tokens)), seq,
+                                             list(range(tokens - rows, tokens)))
                 finally:
                     cache.clear()
 
@@ -175,9 +197,10 @@ class Runner:
         """Wait for a flight's token ids and read them (with their logprob records)."""
         flight.read = True
         try:
+            readable = flight.launched.read()
             if flight.ids is None:
-                mx.eval(flight.logits)
-            ids = flight.ids.tolist() if flight.ids is not None else []
+                mx.eval(readable)
+            ids = readable.tolist() if flight.ids is not None else []
             return Tokens(ids, _logprob_records(flight, ids))
         except Exception as exc:
             return Tokens(error=f"the forward failed: {type(exc).__name__}: {exc}")
@@ -228,6 +251,12 @@ class Runner:
             self.session.cache.rewind(seq, pos)
 
 
+def _settled(launched: Launched) -> Launched:
+    """``launched``, evaluated: a failure to encode or run it raises here."""
+    mx.eval(launched.read())
+    return launched
+
+
 def _forward_failed(plan: StepPlan, exc: Exception) -> Failures:
     return [(job, f"the forward failed: {type(exc).__name__}: {exc}") for job in plan.jobs.values()]
 
@@ -235,7 +264,8 @@ def _forward_failed(plan: StepPlan, exc: Exception) -> Failures:
 def _logprob_parts(part: Part, first_draw: int) -> list:
     if part.logprobs is None:
         return []
-    return [(first_draw, part.logprobs, [d.sample.logprob_top for d in part.draws])]
+    # The launch's copies: ids first, then the logprob arrays.
+    return [(first_draw, tuple(part.launched.copies[1:]), [d.sample.logprob_top for d in part.draws])]
 
 
 def _logprob_records(flight: Flight, ids: list[int]) -> list[Optional["TokenLogprob"]]:

@@ -11,7 +11,8 @@ import numpy as np
 
 from mlx_pte.runtime.mlx.bootstrap import mx
 
-_BITS = mx.arange(32, dtype=mx.uint32)
+# Data, not a lazy op: a module-level graph would belong to the importing thread's stream.
+_BITS = mx.array(np.arange(32, dtype=np.uint32))
 
 
 def allowed(masks: np.ndarray, vocab_size: int) -> mx.array:
