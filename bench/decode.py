@@ -85,10 +85,11 @@ def mlx_pte_job(job: dict) -> dict:
     from step_split import host_device_ms
 
     program = load(Path(job["pte"]))
-    prompt, n, capture = job["prompt"], job["generate"], job["capture"]
+    prompt, n, capture, launch = job["prompt"], job["generate"], job["capture"], job["launch"]
     # Warm-up with the timed run's shapes: capture compiles each shape bucket once.
-    generate(Session(program, capture=capture), prompt, max_new_tokens=4, stop_on_eos=False)
-    result = generate(Session(program, capture=capture), prompt, max_new_tokens=n, stop_on_eos=False)
+    generate(Session(program, capture=capture, launch=launch), prompt, max_new_tokens=4, stop_on_eos=False)
+    result = generate(Session(program, capture=capture, launch=launch), prompt, max_new_tokens=n,
+                      stop_on_eos=False)
     session = Session(program, capture=capture)
     host, device = host_device_ms(lambda t: session.forward(t, evaluate=False), prompt, n - 1, session.max_step)
     return asdict(Rates(result.prefill_tps, result.decode_tps, host, device))
@@ -195,6 +196,8 @@ def main() -> None:
                              "instead of exporting")
     parser.add_argument("--capture", choices=tuple(CAPTURES), default="on",
                         help="mlx-pte with capture (compiled segments), without (the walk), or both rows")
+    parser.add_argument("--launch", default="inline", metavar="MODE[,MODE]",
+                        help="mlx-pte launch modes (inline, thread), a row each (default inline)")
     parser.add_argument("--rounds", type=int, default=1,
                         help="rounds, each timing every row once in turn; medians and per-round ratios")
     args = parser.parse_args()
@@ -224,9 +227,10 @@ def main() -> None:
                                                    group_size=args.group_size, out=f"{work}/{label}.pte"))
             print(f"mlx-pte {label}: {pte.stat().st_size:,} bytes", flush=True)
             for capture in CAPTURES[args.capture]:
-                engine = "mlx-pte" if capture else "mlx-pte-walk"
-                runners[engine, label] = partial(timed, engine, "mlx-pte", label, pte=str(pte), capture=capture,
-                                                 **common)
+                for launch in args.launch.split(","):
+                    engine = ("mlx-pte" if capture else "mlx-pte-walk") + ("-thread" if launch == "thread" else "")
+                    runners[engine, label] = partial(timed, engine, "mlx-pte", label, pte=str(pte), capture=capture,
+                                                     launch=launch, **common)
             if "mlx-lm" not in args.skip:
                 runners["mlx-lm", label] = partial(timed, "mlx-lm", "mlx-lm", label, model_dir=str(model_dir),
                                                    bits=bits, group_size=args.group_size, **common)

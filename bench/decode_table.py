@@ -10,7 +10,7 @@ from typing import Optional
 from variants import FULL_PRECISION, QUANTIZED
 
 # The mlx-pte rows a variant's ratios are taken against, best first: captured, else walked.
-MLX_PTE_ROWS = ("mlx-pte", "mlx-pte-walk")
+MLX_PTE_ROWS = ("mlx-pte", "mlx-pte-walk", "mlx-pte-thread", "mlx-pte-walk-thread")
 
 
 @dataclass(frozen=True)

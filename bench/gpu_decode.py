@@ -155,11 +155,12 @@ def check_mlx_device(wheels: bool) -> str:
 Runner = Callable[[], Rates]  # one timed run of an engine, warmed up already
 
 
-def mlx_pte_runner(program, prompt: list[int], n: int, capacity: int, capture: bool) -> Runner:
+def mlx_pte_runner(program, prompt: list[int], n: int, capacity: int, capture: bool,
+                   launch: str = "inline") -> Runner:
     from mlx_pte import Session, generate
 
     def session():
-        return Session(program, capacity=capacity, kv_dtype="bfloat16", capture=capture)
+        return Session(program, capacity=capacity, kv_dtype="bfloat16", capture=capture, launch=launch)
 
     generate(session(), prompt, max_new_tokens=n, stop_on_eos=False)  # warm-up: compiles every bucket once
 
@@ -289,7 +290,7 @@ def run_batched(args: argparse.Namespace, model_dir: Path, ptes: dict[str, Path]
                          f"(given: {', '.join(ptes)})")
     batched.run(argparse.Namespace(
         model_dir=model_dir, pte=ptes["bf16"], dtype="bfloat16", kinds=args.kinds, batches=args.batches,
-        prompt=args.prompt, generate=args.generate, max_step=None, rounds=args.rounds,
+        prompt=args.prompt, generate=args.generate, max_step=None, rounds=args.rounds, launch=args.launch,
     ))
 
 
@@ -317,12 +318,16 @@ def main() -> None:
                         help="mlx-pte with capture (compiled segments), without (the walk), or both rows")
     parser.add_argument("--whole-step", action="store_true",
                         help="add a row for the whole-step capture prototype (bench/capture_modes.py)")
+    parser.add_argument("--threaded", action="store_true",
+                        help="add a row for mlx-pte captured with launch='thread' (mlx-pte-thread)")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="also print cProfile's top N entries of one mlx-pte generate (first --pte), per capture")
     parser.add_argument("--skip", action="append", default=[], choices=["mlx-pte", "mlx-lm", "hf", "hf-static"])
     parser.add_argument("--batches", metavar="B,B,...",
                         help="instead: aggregate decode of B concurrent requests, batched-sequence vs mlx-lm's "
                              "BatchGenerator (bench/batched.py on the bf16 .pte and the checkpoint)")
+    parser.add_argument("--launch", default=None, metavar="MODE,MODE",
+                        help="with --batches: mlx-pte launch modes (inline, thread), a row each")
     parser.add_argument("--kinds", default="batched-sequence", metavar="KIND,KIND",
                         help="with --batches: mlx-pte cache kinds (batched-sequence, batched-cell; both also "
                              "print sequence / cell ratios)")
@@ -362,6 +367,9 @@ def main() -> None:
             for capture in captures:
                 runners["mlx-pte" if capture else "mlx-pte-walk", label] = mlx_pte_runner(
                     program, prompt, args.generate, capacity, capture)
+            if args.threaded:
+                runners["mlx-pte-thread", label] = mlx_pte_runner(
+                    program, prompt, args.generate, capacity, True, "thread")
             if args.whole_step:
                 runners["mlx-pte-whole", label] = mlx_pte_whole_runner(program, prompt, args.generate, capacity)
         if "mlx-lm" not in args.skip:
