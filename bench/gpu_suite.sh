@@ -13,9 +13,15 @@
 #   kv_write.log       bench/kv_write.py: a B=32 decode step's K/V writes by form (flat put_along_axis, scatter)
 #   moe.log            bench/moe.py: Qwen3-30B-A3B layer shapes x 4 layers, B=1,8,32 vs mlx-lm (needs
 #                      .gpu/moe30-bf16.pte.gz, written by bench/moe.py --export-only: see its docstring)
+#   launch.log         prompt 128, 128 generated, bf16 and q4: mlx-pte launched inline and on a launcher
+#                      thread (--threaded) vs mlx-lm, 5 interleaved rounds
+#   launch_batches.log --batches 8,32,64: batched-sequence launched inline and on a thread vs mlx-lm
+#   pool_copies.log    bench/pool_copies.py: decode with K/V pools of 512 vs 32,768 slots (whole-pool copies?)
 #
 #   bench/gpu_suite.sh      # on the device, from the repository root; .gpu/ from bench/make_gpu_exports.sh
-#   STEPS="kinds moe" bench/gpu_suite.sh    # only the steps named (default: all but kinds and moe)
+#   STEPS="kinds moe" bench/gpu_suite.sh    # only the steps named (default: all but kinds, moe and the
+#                                           # launch steps)
+#   STEPS="launch launch_batches pool_copies" bench/gpu_suite.sh   # the launchers (about 6 minutes)
 #
 # Needs: .whl/ (MLX's CUDA wheel as cuda.part.NN, the mlx and mlx_lm wheels), .gpu/llama1b-bf16.pte.gz
 # and .gpu/llama1b-q4.pte.gz. A step that fails or runs past its time is logged and the next one runs.
@@ -75,4 +81,9 @@ step kinds 240 "$PY" bench/gpu_decode.py --pte bf16=.gpu/llama1b-bf16.pte.gz "${
 step kv_write 60 "$PY" bench/kv_write.py --site "$SITE"
 step moe 300 "$PY" bench/moe.py --shape 30b-a3b --layers 4 --hf-dir /tmp/moe30 --pte .gpu/moe30-bf16.pte.gz \
     --dtype bfloat16 --site "$SITE" --work /tmp/bench_moe --batches 1,8,32
+step launch 180 "$PY" bench/gpu_decode.py "${PTES[@]}" "${COMMON[@]}" --prompt 128 --generate 128 \
+    --rounds 5 --capture on --threaded --skip hf --skip hf-static
+step launch_batches 240 "$PY" bench/gpu_decode.py --pte bf16=.gpu/llama1b-bf16.pte.gz "${COMMON[@]}" --prompt 128 \
+    --generate 64 --batches 8,32,64 --launch inline,thread
+step pool_copies 90 "$PY" bench/pool_copies.py .gpu/llama1b-bf16.pte.gz --site "$SITE"
 grep -h -A3 "median of per-round" "$OUT"/decode_*.log
