@@ -33,3 +33,23 @@ def test_warm_up_refuses_an_engine_holding_requests(program):
     engine.submit(Request([1, 2, 3], max_tokens=2))
     with pytest.raises(EngineError, match="before submitting"):
         engine.warm_up()
+
+
+@pytest.mark.parametrize("launch", ["inline", "thread"])
+def test_a_started_engine_warms_up_on_its_worker_so_served_requests_compile_nothing(program, launch):
+    """``serve`` starts the engine, then warms it up: MLX keeps compiled graphs per thread,
+    so the warm-up must trace on the worker thread that runs the steps."""
+    from mlx_pte import Session, generate
+
+    generate(Session(program, capacity=64), [3, 4, 5], 3)  # this thread traces a bucket first
+    engine = Engine(program, "batched-sequence", capacity=400, max_batch_tokens=24, launch=launch)
+    engine.start()
+    try:
+        engine.warm_up()
+        traced = program.compilations
+        handles = [engine.submit(Request(p, max_tokens=6, ignore_eos=True)) for p in PROMPTS]
+        for handle in handles:
+            handle.result(timeout=60)
+    finally:
+        engine.stop()
+    assert program.compilations == traced
