@@ -144,6 +144,7 @@ def _serve(inbox: "queue.SimpleQueue[Optional[Launched]]", streams: list, made: 
             launched._done.set()
             del launched  # the graph goes as soon as it is encoded, not at the next launch
     finally:
+        mx.synchronize(streams[0])  # what it encoded has run before its stream goes
         release_thread_state()
 
 
