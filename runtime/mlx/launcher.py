@@ -109,11 +109,8 @@ class InlineLauncher:
 
     def launch(self, arrays: Sequence[mx.array], readable: Sequence[mx.array] = ()) -> Launched:
         """Encode ``arrays`` now; ``readable`` are read as they are (no other thread
-        touches them).
-
-        Raises:
-            LaunchError: MLX failed to encode them.
-        """
+        touches them). A failure to encode is raised by the launch's ``wait``/``read``,
+        as the threaded launcher's is."""
         launched = Launched(list(arrays), list(readable))
         try:
             mx.async_eval(launched.arrays)
@@ -132,9 +129,13 @@ INLINE = InlineLauncher()
 def _serve(inbox: "queue.SimpleQueue[Optional[Launched]]", streams: list, made: threading.Event) -> None:
     """The launcher thread's loop; it holds no reference to its ``ThreadedLauncher``, so
     that one is collected (and ends this loop) when its building thread lets it go."""
-    # Made on this thread: only this thread can encode it.
-    streams.append(mx.new_stream(mx.default_device()))
-    made.set()
+    try:
+        # Made on this thread: only this thread can encode it.
+        streams.append(mx.new_stream(mx.default_device()))
+    finally:
+        made.set()
+    if not streams:
+        return
     try:
         while (launched := inbox.get()) is not None:
             try:
@@ -174,8 +175,10 @@ class ThreadedLauncher:
                                         name="mlx-pte-launcher", daemon=True)
         self._thread.start()
         made.wait()
+        if not streams:
+            raise LaunchError(f"MLX could not make a stream on {mx.default_device()} for the launcher thread; "
+                              "use launch='inline'")
         self.stream = streams[0]
-        self._last: Optional[Launched] = None
         # Ends the thread when this launcher is collected (its building thread ended), or
         # before the process exits: MLX's per-thread state must not outlive its runtime.
         weakref.finalize(self, _stop, self._inbox, self._thread)
@@ -198,7 +201,6 @@ class ThreadedLauncher:
             copies = [mx.stop_gradient(a) for a in readable]
         launched = Launched(list(arrays), copies)
         self._inbox.put(launched)
-        self._last = launched
         return launched
 
     def evaluate(self, arrays: Sequence[mx.array]) -> None:
@@ -212,11 +214,6 @@ class ThreadedLauncher:
         # launcher's only client: it is idle now, so waiting on the arrays here (which
         # edits their bookkeeping) races with nothing.
         mx.eval(list(arrays))
-
-    def drain(self) -> None:
-        """Wait until everything launched so far is encoded (errors stay with their launch)."""
-        if self._last is not None:
-            self._last._done.wait()
 
 
 _PER_THREAD = threading.local()
