@@ -66,6 +66,10 @@ DEFAULT_MAX_STEP = {"cpu": 256, "gpu": 2048}
 
 
 # How steps are handed to MLX when none is asked for, per device (``runtime.mlx.launcher``).
+# On the CPU the launcher thread shares the cores with the compute: SmolLM2-135M decoded
+# 0.94x as fast with it (bench/decode.py --launch inline,thread, 5 rounds). The GPU's
+# host-bound step is what it is for, but it is unmeasured there: inline until measured
+# (bench/gpu_suite.sh steps launch and launch_batches).
 DEFAULT_LAUNCH = {"cpu": "inline", "gpu": "inline"}
 
 
