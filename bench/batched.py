@@ -72,7 +72,7 @@ def warmed_engine(program, kind: str, capacity: int, dtype: str, launch: Optiona
     from mlx_pte.serving.engine import Engine
 
     engine = Engine(program, kind, capacity=capacity, kv_dtype=dtype, launch=launch)
-    print(f"{kind} ({engine.session.launch_mode} launch): warmed up in {engine.warm_up():.1f} s", flush=True)
+    print(f"{name_of(kind, launch)}: warmed up in {engine.warm_up():.1f} s", flush=True)
     return engine
 
 
