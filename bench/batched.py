@@ -141,7 +141,7 @@ def main() -> None:
 def run(args: argparse.Namespace) -> None:
     """The benchmark for parsed ``args`` (gpu_decode.py calls this after installing MLX)."""
     batches = [int(b) for b in args.batches.split(",")]
-    launches = args.launch.split(",") if getattr(args, "launch", None) else [None]
+    launches = args.launch.split(",") if args.launch else [None]
     variants = [(kind, launch) for kind in args.kinds.split(",") for launch in launches]
     kinds = [name_of(kind, launch) for kind, launch in variants]
     vocab = json.loads((args.model_dir / "config.json").read_text())["vocab_size"]

@@ -302,7 +302,9 @@ class Engine:
         most = min(self.limits.token_budget, self.limits.capacity)
         sizes = sorted({bucket(n, self.session.max_step) for n in range(1, most + 1)})
         self.prompt_store.clear()  # its sequences go with the cache's clearing
-        self.runner.warm_up([size for size in sizes if size <= self.limits.capacity])
+        # Built as the steps are: compiled segments are kept per stream.
+        with self.session.launcher.building():
+            self.runner.warm_up([size for size in sizes if size <= self.limits.capacity])
         return time.perf_counter() - start
 
     def run(self) -> None:

@@ -1,9 +1,10 @@
 """A step plan put on the device: the forward, grammar masks, token draws, logprobs.
 
 Everything here is queued lazily: the host goes on planning while the device computes.
-Graphs are built inside the session's launcher's ``building()`` and handed over with its
-``launch`` (``runtime.mlx.launcher``: encoded inline or on a thread of its own); the host
-reads what it launched only through the launch's copies. Failures come back as data
+The caller (the engine's loop) calls in here inside the session's launcher's
+``building()``; graphs are handed over with its ``launch`` (``runtime.mlx.launcher``:
+encoded inline or on a thread of its own), and the host reads what it launched only
+through the launch's copies. Failures come back as data
 (``(job, reason)`` pairs) for the loop to end those requests; nothing here ends a request
 itself.
 
@@ -106,8 +107,7 @@ class Runner:
         """Queue the step's forward, and its draws unless a sample is constrained."""
         dispatched = time.perf_counter()
         try:
-            with self.session.launcher.building():
-                part = self._queue(plan, previous)
+            part = self._queue(plan, previous)
         except Exception as exc:
             if len(plan.jobs) == 1:
                 return Launch([], _forward_failed(plan, exc), False, dispatched)
@@ -120,8 +120,7 @@ class Runner:
         for job in list(plan.jobs.values()):
             share = plan.only(job)
             try:
-                with self.session.launcher.building():
-                    part = self._queue(share, previous)
+                part = self._queue(share, previous)
                 part.launched = _settled(self._launch(part))
             except Exception as exc:
                 failures += _forward_failed(share, exc)
@@ -139,14 +138,12 @@ class Runner:
         """Queue the draws ``launch`` still owes (the constrained ones: the previous step
         must have been read, for the masks), and the flight of everything that ran."""
         failures: Failures = []
-        launcher = self.session.launcher
         plan, ids, draws, logprobs = StepPlan(), [], [], []
         for part in launch.parts:
             ran = True
             if part.ids is None and part.draws:
                 try:
-                    with launcher.building():
-                        part.ids, part.logprobs = self._draw(part, failures)
+                    part.ids, part.logprobs = self._draw(part, failures)
                     part.launched = self._launch(part)
                     if launch.alone:
                         _settled(part.launched)
@@ -156,8 +153,7 @@ class Runner:
                         return None, failures
                     # Its requests fail; its draws keep their places so that later
                     # parts' samples find their tokens where the scheduler counted them.
-                    with launcher.building():
-                        part.ids, part.logprobs, ran = mx.zeros(len(part.draws), dtype=mx.uint32), None, False
+                    part.ids, part.logprobs, ran = mx.zeros(len(part.draws), dtype=mx.uint32), None, False
             if ran:
                 plan.absorb(part.plan)
             if part.ids is not None:
@@ -169,9 +165,8 @@ class Runner:
         if not launch.alone:
             (part,) = launch.parts
             return Flight(part.plan, part.ids, part.launched, part.draws, launch.dispatched, logprobs), failures
-        with launcher.building():
-            joined = mx.concatenate(ids) if ids else launch.parts[-1].logits
-        launched = launcher.launch([joined], readable=[joined])
+        joined = mx.concatenate(ids) if ids else launch.parts[-1].logits
+        launched = self.session.launcher.launch([joined], readable=[joined])
         return Flight(plan, joined if ids else None, launched, draws, launch.dispatched, logprobs), failures
 
     def warm_up(self, sizes: Sequence[int]) -> None:
@@ -185,10 +180,7 @@ class Runner:
                 live = cache.live_seqs()
                 seq = live[0] if live else cache.seq_new()
                 try:
-                    # Built as the steps are (compiled segments are kept per stream).
-                    with self.session.launcher.building():
-                        self.session.forward([0] * tokens, list(range(tokens)), seq,
-                                             list(range(tokens - rows, tokens)))
+                    self.session.forward([0] * tokens, list(range(tokens)), seq, list(range(tokens - rows, tokens)))
                 finally:
                     cache.clear()
 
