@@ -192,8 +192,9 @@ def print_tables(args: argparse.Namespace, kinds: list[str], rows: dict[int, dic
           f"device {mx.default_device()}; medians of {args.rounds} interleaved rounds, "
           f"ratios the medians of per-round ratios")
     pairs = [(k, "mlx-lm") for k in kinds]
-    if set(KINDS) <= set(kinds):
-        pairs.append(("batched-sequence", "batched-cell"))
+    for mark in ("", "+thread"):  # the layouts against each other, launched alike
+        if {"batched-sequence" + mark, "batched-cell" + mark} <= set(kinds):
+            pairs.append(("batched-sequence" + mark, "batched-cell" + mark))
     pairs += [(k, k.removesuffix("+thread")) for k in kinds if k.endswith("+thread") and k.removesuffix("+thread") in kinds]
     label = {"mlx-lm": "lm", **{k: SHORT[k][:4] for k in KINDS}, **{k + "+thread": SHORT[k][:3] + "+t" for k in KINDS}}
     for title, pick in (("decode tok/s", lambda r: r.decode_tps), ("end-to-end tok/s", lambda r: r.e2e_tps)):

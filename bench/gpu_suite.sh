@@ -16,6 +16,8 @@
 #   launch.log         prompt 128, 128 generated, bf16 and q4: mlx-pte launched inline and on a launcher
 #                      thread (--threaded) vs mlx-lm, 5 interleaved rounds
 #   launch_batches.log --batches 8,32,64: batched-sequence launched inline and on a thread vs mlx-lm
+#   kinds_thread.log   kinds, both layouts launched on a thread
+#   moe_thread.log     moe, mlx-pte launched on a thread
 #   pool_copies.log    bench/pool_copies.py: decode with K/V pools of 512 vs 32,768 slots (whole-pool copies?)
 #
 #   bench/gpu_suite.sh      # on the device, from the repository root; .gpu/ from bench/make_gpu_exports.sh
@@ -85,5 +87,9 @@ step launch 180 "$PY" bench/gpu_decode.py "${PTES[@]}" "${COMMON[@]}" --prompt 1
     --rounds 5 --capture on --threaded --skip hf --skip hf-static
 step launch_batches 240 "$PY" bench/gpu_decode.py --pte bf16=.gpu/llama1b-bf16.pte.gz "${COMMON[@]}" --prompt 128 \
     --generate 64 --batches 8,32,64 --launch inline,thread
+step kinds_thread 240 "$PY" bench/gpu_decode.py --pte bf16=.gpu/llama1b-bf16.pte.gz "${COMMON[@]}" --prompt 128 \
+    --generate 64 --batches 8,32,64 --kinds batched-sequence,batched-cell --launch thread
+step moe_thread 300 "$PY" bench/moe.py --shape 30b-a3b --layers 4 --hf-dir /tmp/moe30 --pte .gpu/moe30-bf16.pte.gz \
+    --dtype bfloat16 --site "$SITE" --work /tmp/bench_moe --batches 1,8,32 --launch thread
 step pool_copies 90 "$PY" bench/pool_copies.py .gpu/llama1b-bf16.pte.gz --site "$SITE"
 grep -h -A3 "median of per-round" "$OUT"/decode_*.log

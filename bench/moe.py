@@ -113,10 +113,10 @@ def export_gz(model_dir: Path, out: Path, dtype: str) -> Path:
     return out
 
 
-def decode_pte(program, prompt: list[int], n: int, dtype: str) -> float:
+def decode_pte(program, prompt: list[int], n: int, dtype: str, launch: str) -> float:
     from mlx_pte import Session, generate
 
-    session = Session(program, capacity=len(prompt) + n, kv_dtype=dtype)
+    session = Session(program, capacity=len(prompt) + n, kv_dtype=dtype, launch=launch)
     return generate(session, prompt, max_new_tokens=n, stop_on_eos=False).decode_tps
 
 
@@ -165,6 +165,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5, help="interleaved timed rounds (after one warm-up)")
     parser.add_argument("--batches", default="1", metavar="B,B,...",
                         help="request counts; B > 1 runs batched-sequence against mlx-lm's BatchGenerator")
+    parser.add_argument("--launch", default="inline", choices=["inline", "thread"],
+                        help="how mlx-pte launches each step (see README: launchers)")
     args = parser.parse_args()
     if args.generate < 2 or args.rounds < 1 or args.layers < 1:
         parser.error("--generate must be at least 2, --rounds and --layers at least 1")
@@ -196,16 +198,17 @@ def main() -> None:
     model = load_mlx_lm(model_dir, args.dtype)
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     print(f"{args.shape} x {args.layers} layers, {args.dtype}, prompt {args.prompt}, generate {args.generate}, "
+          f"mlx-pte launch {args.launch}, "
           f"MLX {mx.__version__} on {device}", flush=True)
     # One warmed engine for every batch size (as serve runs), sized for the largest.
     engine = None
     if max(batches) > 1:
         engine = batched.warmed_engine(program, "batched-sequence", max(batches) * (args.prompt + args.generate),
-                                       args.dtype)
+                                       args.dtype, args.launch)
     for b in batches:
         prompts = batched.prompts_for(b, args.prompt, vocab)
         if b == 1:
-            runners = {"mlx-pte": lambda: decode_pte(program, prompts[0], args.generate, args.dtype),
+            runners = {"mlx-pte": lambda: decode_pte(program, prompts[0], args.generate, args.dtype, args.launch),
                        "mlx-lm": lambda: decode_mlx_lm(model, prompts[0], args.generate)}  # fmt: skip
         else:
             runners = {
