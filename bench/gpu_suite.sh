@@ -68,7 +68,7 @@ step decode_p128 150 "$PY" bench/gpu_decode.py "${PTES[@]}" "${COMMON[@]}" --pro
     --rounds 5 --capture on --skip hf --skip hf-static
 step decode_p2048 120 "$PY" bench/gpu_decode.py "${PTES[@]}" "${COMMON[@]}" --prompt 2048 --generate 64 \
     --rounds 5 --capture on --skip hf --skip hf-static
-step profile 90 "$PY" bench/gpu_profile.py "${PTES[@]}" "${COMMON[@]}" --prompt 128 --generate 64
+step profile 150 "$PY" bench/gpu_profile.py "${PTES[@]}" "${COMMON[@]}" --prompt 128 --generate 64
 step profile_b8 120 "$PY" bench/gpu_profile.py --pte bf16=.gpu/llama1b-bf16.pte.gz "${COMMON[@]}" --prompt 128 \
     --generate 32 --batch 8 --top 24 --skip mlx-lm
 step profile_b8_cell 90 "$PY" bench/gpu_profile.py --pte bf16=.gpu/llama1b-bf16.pte.gz "${COMMON[@]}" --prompt 128 \

@@ -119,6 +119,9 @@ class Program:
         check_kernels(graph)
         self.graph = graph
         self.weights = dict(weights)
+        # Evaluated here, on the loading thread: a lazy weight (a bfloat16 view of its
+        # stored bits) belongs to this thread's stream, which a launcher thread cannot encode.
+        mx.eval(list(self.weights.values()))
         self.manifest = dict(manifest)
         self.steps: list[PreparedStep] = _rope_forms(prepare(graph), self.weights)
         self._host_ints = int_slots(graph)

@@ -7,6 +7,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from mlx_pte.export.hf_export import export_hf
+from mlx_pte.interpreter.program import load
 from mlx_pte.interpreter.session import SessionError
 from mlx_pte.serving.engine import Engine, Request
 from mlx_pte.serving.generation import generate
@@ -31,6 +33,31 @@ def test_generate_on_a_launcher_thread_stops_at_eos_and_rewinds(program):
         result = generate(session, list(range(60, 70)), 40, stop_on_eos=True)
         runs[launch] = (result.tokens, result.finish_reason, session.cache.live_seqs())
     assert runs["thread"] == runs["inline"]
+
+
+@pytest.fixture(scope="module")
+def bfloat16_pte(tmp_path_factory, tiny_checkpoint):
+    """The llama tiny checkpoint in bfloat16, whose weights load as views of their bits."""
+    path = tmp_path_factory.mktemp("bf16") / "llama.pte"
+    return export_hf(tiny_checkpoint("llama"), path, dtype="bfloat16", max_step=64, progress=False)
+
+
+@pytest.mark.parametrize("kind", ["single", "batched-cell"])
+def test_a_freshly_loaded_bfloat16_program_runs_first_on_a_launcher_thread(bfloat16_pte, kind):
+    """Nothing the loading thread made lazily reaches the launcher's thread, which cannot
+    encode another thread's stream: the first step of a fresh load runs there."""
+    prompt = list(range(30, 42))
+    tokens = {}
+    for launch in ("thread", "inline"):
+        if kind == "single":
+            session = load(bfloat16_pte).session("single", launch=launch)
+            tokens[launch] = generate(session, prompt, 8, stop_on_eos=False).tokens
+        else:
+            engine = Engine(load(bfloat16_pte), kind, capacity=128, launch=launch)
+            handle = engine.submit(Request(prompt, max_tokens=8, ignore_eos=True))
+            engine.run()
+            tokens[launch] = handle.result(timeout=0).samples[0].tokens
+    assert tokens["thread"] == tokens["inline"]
 
 
 def test_a_session_refuses_an_unknown_launch_mode(program):
