@@ -40,13 +40,13 @@ def _ms(value: Optional[float]) -> str:
 def print_table(title: str, rows: dict[Key, Rates]) -> None:
     full = next((label for _, label in rows if label in FULL_PRECISION), None)
     print(f"\n{title}")
-    print(f"{'engine':<14} {'weights':<7} {'prefill tok/s':>13} {'decode tok/s':>12} {'host ms':>8} "
+    print(f"{'engine':<17} {'weights':<7} {'prefill tok/s':>13} {'decode tok/s':>12} {'host ms':>8} "
           f"{'dev ms':>8} {'prefill x':>9} {'decode x':>8}")
     for (engine, label), r in rows.items():
         # Full-precision peers (HF) are compared with mlx-pte at the full-precision label.
         base = reference(rows, label) or (reference(rows, full) if label in FULL_PRECISION else None)
         ratio = f"{base.prefill_tps / r.prefill_tps:>9.2f} {base.decode_tps / r.decode_tps:>8.2f}" if base else ""
-        print(f"{engine:<14} {label:<7} {r.prefill_tps:>13.1f} {r.decode_tps:>12.2f} {_ms(r.host_ms)} "
+        print(f"{engine:<17} {label:<7} {r.prefill_tps:>13.1f} {r.decode_tps:>12.2f} {_ms(r.host_ms)} "
               f"{_ms(r.device_ms)} {ratio}")
     print("(x = the variant's mlx-pte speed, captured where that row ran, / the row's speed; host ms = building "
           "one decode step's graph, dev ms = mx.eval of it alone, nothing else in flight)")

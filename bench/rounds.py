@@ -8,7 +8,7 @@ from __future__ import annotations
 import statistics
 from typing import Callable, Optional, TypeVar
 
-from decode_table import MLX_PTE_ROWS, Key, Rates
+from decode_table import Key, Rates
 
 R = TypeVar("R")
 
@@ -38,9 +38,9 @@ def median_rates(per_round: list[Rates]) -> Rates:
 
 def round_ratios(rounds: dict[Key, list[Rates]]) -> dict[tuple[Key, Key], tuple[float, float]]:
     """(mlx-pte row, other row) -> median over rounds of (prefill, decode) mlx-pte / other,
-    for every other engine of the same weights label."""
+    for every other engine of the same weights label (every mlx-pte-* row is an mlx-pte row)."""
     out = {}
-    for ours in [key for key in rounds if key[0] in MLX_PTE_ROWS]:
+    for ours in [key for key in rounds if key[0].startswith("mlx-pte")]:
         for other in rounds:
             if other[1] != ours[1] or other == ours:
                 continue
