@@ -156,7 +156,7 @@ Runner = Callable[[], Rates]  # one timed run of an engine, warmed up already
 
 
 def mlx_pte_runner(program, prompt: list[int], n: int, capacity: int, capture: bool,
-                   launch: str = "inline", steps_ahead: int = 1) -> Runner:
+                   launch: str = "inline") -> Runner:
     from mlx_pte import Session, generate
 
     def session():
@@ -166,7 +166,7 @@ def mlx_pte_runner(program, prompt: list[int], n: int, capacity: int, capture: b
 
     def run() -> Rates:
         before = program.compilations
-        r = generate(session(), prompt, max_new_tokens=n, stop_on_eos=False, steps_ahead=steps_ahead)
+        r = generate(session(), prompt, max_new_tokens=n, stop_on_eos=False)
         timing = session()
         host, device = host_device_ms(lambda t: timing.forward(t, evaluate=False), prompt, n - 1, timing.max_step)
         if program.compilations != before:
@@ -320,9 +320,6 @@ def main() -> None:
                         help="add a row for the whole-step capture prototype (bench/capture_modes.py)")
     parser.add_argument("--threaded", action="store_true",
                         help="add a row for mlx-pte captured with launch='thread' (mlx-pte-thread)")
-    parser.add_argument("--ahead", default="", metavar="N,N",
-                        help="add a row per N for mlx-pte launched on a thread with N decode steps in flight "
-                             "beyond the one being read (mlx-pte-thread-aN; generate's steps_ahead)")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="also print cProfile's top N entries of one mlx-pte generate (first --pte), per capture")
     parser.add_argument("--skip", action="append", default=[], choices=["mlx-pte", "mlx-lm", "hf", "hf-static"])
@@ -373,9 +370,6 @@ def main() -> None:
             if args.threaded:
                 runners["mlx-pte-thread", label] = mlx_pte_runner(
                     program, prompt, args.generate, capacity, True, "thread")
-            for ahead in [int(n) for n in args.ahead.split(",") if n]:
-                runners[f"mlx-pte-thread-a{ahead}", label] = mlx_pte_runner(
-                    program, prompt, args.generate, capacity, True, "thread", ahead)
             if args.whole_step:
                 runners["mlx-pte-whole", label] = mlx_pte_whole_runner(program, prompt, args.generate, capacity)
         if "mlx-lm" not in args.skip:

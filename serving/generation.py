@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence, Union
 
@@ -48,7 +47,6 @@ def generate(
     on_text: Optional[Callable[[str], None]] = None,
     stop_on_eos: bool = True,
     seq_id: Optional[int] = None,
-    steps_ahead: int = 1,
 ) -> GenerationResult:
     """Continue ``prompt`` by up to ``max_new_tokens`` tokens.
 
@@ -58,9 +56,6 @@ def generate(
         on_text: called with each new piece of text as it is generated.
         seq_id: a live sequence to continue (the prompt follows what it holds, and it
             keeps the result); by default a fresh sequence, removed at the end.
-        steps_ahead: decode steps launched beyond the one whose token is being read (at
-            least 1). More keep a host-bound device busier; each costs one step of work
-            past an end of sequence, which the cache rewinds.
     Returns:
         The generated tokens and text, why generation stopped, and timings.
     Raises:
@@ -70,21 +65,19 @@ def generate(
     ids = codec.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
     if not ids:
         raise GenerationError("the prompt is empty; give at least one token")
-    if steps_ahead < 1:
-        raise GenerationError(f"steps_ahead must be at least 1, got {steps_ahead}")
     if seq_id is not None:
-        return _generate(session, ids, seq_id, max_new_tokens, sampling, codec, on_text, stop_on_eos, steps_ahead)
+        return _generate(session, ids, seq_id, max_new_tokens, sampling, codec, on_text, stop_on_eos)
     try:
         fresh = session.cache.seq_new()
     except CacheRefused as refused:
         raise GenerationError(f"no sequence is free for the prompt: {refused.reason}") from None
     try:
-        return _generate(session, ids, fresh, max_new_tokens, sampling, codec, on_text, stop_on_eos, steps_ahead)
+        return _generate(session, ids, fresh, max_new_tokens, sampling, codec, on_text, stop_on_eos)
     finally:
         session.cache.seq_rm(fresh)
 
 
-def _generate(session, ids, seq_id, max_new_tokens, sampling, codec, on_text, stop_on_eos, steps_ahead):
+def _generate(session, ids, seq_id, max_new_tokens, sampling, codec, on_text, stop_on_eos):
     cache = session.cache
     reason = cache.can_extend(seq_id, len(ids)).reason
     if reason:
@@ -106,18 +99,17 @@ def _generate(session, ids, seq_id, max_new_tokens, sampling, codec, on_text, st
                 raise GenerationError(f"the prompt does not fit: {refused.reason}") from None
         # Tokens are chosen on the device: only their ids come back, never the logits.
         pending = draw(logits, [stream])
-    # Steps launched and not yet read, oldest first. Each next step is built from the still
-    # unevaluated token before it, so the host builds and launches up to ``steps_ahead``
-    # steps while the device computes the oldest; the cache needs only their positions.
-    in_flight = deque([launcher.launch([pending], readable=[pending])])
+    launched = launcher.launch([pending], readable=[pending])
     t1 = 0.0
     while True:
-        while (len(in_flight) <= steps_ahead and len(result.tokens) + len(in_flight) < max_new_tokens
-               and cache.can_extend(seq_id, 1)):
+        # The next step is built from the still-unevaluated token, so the host builds step
+        # n+1 while the device computes step n; the cache needs only its position.
+        more = len(result.tokens) + 1 < max_new_tokens and bool(cache.can_extend(seq_id, 1))
+        if more:
             with launcher.building():
-                pending = draw(session.forward(pending, seq_ids=seq_id, evaluate=False), [stream])
-            in_flight.append(launcher.launch([pending], readable=[pending]))
-        token = int(in_flight.popleft().read().item())
+                following = draw(session.forward(pending, seq_ids=seq_id, evaluate=False), [stream])
+            following_launched = launcher.launch([following], readable=[following])
+        token = int(launched.read().item())
         if not result.tokens:
             t1 = time.perf_counter()
             result.prefill_seconds = t1 - t0
@@ -128,14 +120,13 @@ def _generate(session, ids, seq_id, max_new_tokens, sampling, codec, on_text, st
                 on_text(piece)
         if token in eos:
             result.finish_reason = "eos"
-            # The steps still in flight fed this token and those after it; the cache ends
-            # before the last token, as always.
-            if in_flight:
-                cache.rewind(seq_id, cache.pos(seq_id) - len(in_flight))
+            if more:  # it was fed already; the cache ends before the last token, as always
+                cache.rewind(seq_id, cache.pos(seq_id) - 1)
             break
-        if not in_flight:
+        if not more:
             result.finish_reason = "length" if len(result.tokens) >= max_new_tokens else "capacity"
             break
+        pending, launched = following, following_launched
     result.decode_seconds = time.perf_counter() - t1
     if decoder and on_text:
         tail = decoder.flush()

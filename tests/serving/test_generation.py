@@ -34,31 +34,29 @@ def stepwise_greedy(program, kind: str, n: int) -> tuple[list[int], int]:
     return tokens, session.cache.pos(seq)
 
 
-@pytest.mark.parametrize("steps_ahead", [1, 3])
 @pytest.mark.parametrize("kind", ["single", "batched-sequence"])
-def test_pipelined_greedy_equals_stepwise_and_leaves_the_same_cache(program, kind, steps_ahead):
+def test_pipelined_greedy_equals_stepwise_and_leaves_the_same_cache(program, kind):
     want, want_end = stepwise_greedy(program, kind, 12)
     session = Session(program, kind=kind, capacity=64)
-    got = generate(session, PROMPT, max_new_tokens=12, stop_on_eos=False, steps_ahead=steps_ahead)
+    got = generate(session, PROMPT, max_new_tokens=12, stop_on_eos=False)
     assert got.tokens == want and got.finish_reason == "length"
     assert session.cache.usage().logical_positions == 0  # its fresh sequence is removed
     seq = session.cache.seq_new()
-    kept = generate(session, PROMPT, max_new_tokens=12, stop_on_eos=False, seq_id=seq, steps_ahead=steps_ahead)
+    kept = generate(session, PROMPT, max_new_tokens=12, stop_on_eos=False, seq_id=seq)
     assert kept.tokens == want
     # The last token is never written, as in the stepwise loop.
     assert session.cache.pos(seq) == want_end == len(PROMPT) + 11
 
 
-@pytest.mark.parametrize("steps_ahead", [1, 2, 4])
-def test_an_end_of_sequence_stops_and_rewinds_the_steps_launched_past_it(program, steps_ahead):
-    """The cache ends where the stepwise loop's does: the end-of-sequence token, and every
-    token the steps launched ahead of it fed, are not kept."""
+def test_an_end_of_sequence_stops_and_rewinds_the_step_launched_past_it(program):
+    """The cache ends where the stepwise loop's does: the end-of-sequence token, which the
+    step launched ahead of it fed, is not kept."""
     want, _ = stepwise_greedy(program, "batched-sequence", 12)
     stop = want.index(want[6])  # the first time the seventh token comes
     session = Session(program, kind="batched-sequence", capacity=64)
     session.manifest = dataclasses.replace(session.manifest, eos_token_ids=(want[6],))
     seq = session.cache.seq_new()
-    got = generate(session, PROMPT, max_new_tokens=12, seq_id=seq, steps_ahead=steps_ahead)
+    got = generate(session, PROMPT, max_new_tokens=12, seq_id=seq)
     assert got.tokens == want[: stop + 1] and got.finish_reason == "eos"
     assert session.cache.pos(seq) == len(PROMPT) + stop
     # What the cache kept is right, not just its length: it continues as a cold run does.
@@ -66,11 +64,6 @@ def test_an_end_of_sequence_stops_and_rewinds_the_steps_launched_past_it(program
     cold = generate(Session(program, kind="batched-sequence", capacity=64), PROMPT + want[:stop] + [8, 9],
                     max_new_tokens=3, stop_on_eos=False)
     assert after.tokens == cold.tokens
-
-
-def test_steps_ahead_below_one_is_refused(program):
-    with pytest.raises(GenerationError, match="steps_ahead must be at least 1"):
-        generate(Session(program, capacity=64), PROMPT, max_new_tokens=2, steps_ahead=0)
 
 
 @pytest.mark.parametrize("kind", ["single", "batched-sequence"])
@@ -93,10 +86,9 @@ def test_a_single_cache_in_use_is_refused_with_the_way_out(program):
         generate(session, PROMPT, max_new_tokens=2)
 
 
-@pytest.mark.parametrize("steps_ahead", [1, 3])
-def test_capacity_stops_generation_with_the_reason(program, steps_ahead):
+def test_capacity_stops_generation_with_the_reason(program):
     session = Session(program, capacity=len(PROMPT) + 3)
-    got = generate(session, PROMPT, max_new_tokens=20, stop_on_eos=False, steps_ahead=steps_ahead)
+    got = generate(session, PROMPT, max_new_tokens=20, stop_on_eos=False)
     assert got.finish_reason == "capacity" and len(got.tokens) == 4
     with pytest.raises(GenerationError, match="does not fit"):
         generate(Session(program, capacity=len(PROMPT) - 1), PROMPT, max_new_tokens=2)
