@@ -77,3 +77,8 @@ class Draw:
     job: Job
     sample: Sample
     first: bool
+
+
+# Requests a stage failed, each with the reason its caller is told: stages return them
+# as data and the loop fails exactly those requests.
+Failures = list[tuple[Job, str]]

@@ -15,7 +15,7 @@ in flight, and there every op is a task; on a GPU the tasks are command buffers.
 
 ``n > 1`` samples of one prompt prefill once; right after the prefill the sequence is
 forked once per extra sample, each sample drawing from the same last-row logits with its
-own key chain (seeds ``seed, seed + 1, ...``). With ``Request.grammar``, each sample's
+own key chain (seeds ``seed, seed + 1, ...``); a fork that fails ends its request only. With ``Request.grammar``, each sample's
 allowed tokens are masked on the device in the same batched draw as every other row; eos
 is allowed only where the grammar accepts, and a sample whose grammar is complete stops.
 With ``logprobs``, each draw also returns the token's log-probability and the top
@@ -35,7 +35,7 @@ from ..sampling.params import SamplingParams
 from ..text.detokenizer import IncrementalDecoder
 from ..text.model_text import ModelText, TextError
 from ..text.stops import StopStringError, StopStrings, StopText
-from .jobs import Job, Sample
+from .jobs import Failures, Job, Sample
 from .prompt_store import PromptStore
 from .readout import Readout
 from .requests import (
@@ -51,7 +51,7 @@ from .requests import (
     Status,
     check_request,
 )
-from .runner import Failures, Flight, Runner
+from .runner import Flight, Runner
 from .scheduler import Limits, Scheduler
 from .step_plan import StepPlan
 
@@ -246,7 +246,7 @@ class Engine:
             self._fail_all(launch.failures)
             first = 0
             for part in launch.parts:
-                self.scheduler.advance(part.plan, part.draws, first)
+                self._fail_all(self.scheduler.advance(part.plan, part.draws, first))
                 first += len(part.draws)
             if launch.needs_masks and previous is not None:
                 self._read(previous)  # a grammar's mask depends on the previous step's tokens

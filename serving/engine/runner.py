@@ -31,15 +31,13 @@ from ..sampling import device as device_sampling
 from ..sampling.grammar import masks
 from ..sampling.logprobs import logprob_arrays, read
 from ..sampling.token_masks import apply_masks
-from .jobs import Draw, Job
+from .jobs import Draw, Failures, Job
 from .step_plan import StepPlan
 
 if TYPE_CHECKING:
     from mlx_pte.interpreter.session import Session
 
     from ..sampling.logprobs import TokenLogprob
-
-Failures = list[tuple[Job, str]]
 
 
 @dataclass

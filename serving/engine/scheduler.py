@@ -36,9 +36,9 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from mlx_pte.runtime.cache import ALLOWED, CacheControl, Verdict
+from mlx_pte.runtime.cache import ALLOWED, CacheControl, CacheRefused, Verdict
 
-from .jobs import Draw, Job, Sample
+from .jobs import Draw, Failures, Job, Sample
 from .step_plan import Plan, StepPlan
 from .prompt_store import Match, PromptStore, Retained
 from .requests import EngineStats, RequestHandle, RequestRejected, SequenceState, Status
@@ -304,27 +304,37 @@ class Scheduler:
                 return
 
     # -- accounting -----------------------------------------------------------------------
-    def advance(self, step: StepPlan, draws: Sequence[Draw], first_draw: int = 0) -> None:
+    def advance(self, step: StepPlan, draws: Sequence[Draw], first_draw: int = 0) -> Failures:
         """The host's account of a dispatched step: positions held, forks, draws (the
-        ``i``-th of ``draws`` is draw ``first_draw + i`` of the forward's ids)."""
+        ``i``-th of ``draws`` is draw ``first_draw + i`` of the forward's ids). Returns
+        the jobs whose prompt could not be forked for their extra samples; every other
+        job's account is complete."""
         for job, count in step.chunks:
             job.fed += count
             job.samples[0].length = job.fed
+        failures: Failures = []
         for _, job, sample in step.rows:
             if sample is not None:
                 sample.length += 1
-            else:  # the prompt is in: one sequence per extra sample
-                first = job.samples[0]
-                for fork in job.samples[1:]:
-                    self._room_for_a_sequence()
-                    fork.seq_id = self.cache.seq_clone(first.seq_id, job.prompt_len)  # type: ignore[arg-type]
-                    fork.length = job.prompt_len
+                continue
+            try:  # the prompt is in: one sequence per extra sample
+                self._fork_samples(job)
+            except (CacheRefused, RuntimeError) as exc:  # MLX reports a failed copy as RuntimeError
+                failures.append((job, f"forking the prompt for the request's other samples failed: {exc}"))
         for i, d in enumerate(draws):
             sample = d.sample
             sample.drawn += 1
             # Fed next step unless it is the last token or its sequence is full.
             more = sample.drawn < d.job.max_tokens and sample.length + 1 <= d.job.cap
             sample.pending = first_draw + i if more else None
+        return failures
+
+    def _fork_samples(self, job: Job) -> None:
+        first = job.samples[0]
+        for fork in job.samples[1:]:
+            self._room_for_a_sequence()
+            fork.seq_id = self.cache.seq_clone(first.seq_id, job.prompt_len)  # type: ignore[arg-type]
+            fork.length = job.prompt_len
 
     def retire(self, job: Job, sample: Sample, retain: bool) -> None:
         """A finished sample's sequence: cut back to what the caller sees, then kept for

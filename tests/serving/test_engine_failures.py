@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from mlx_pte.runtime.cache import CacheRefused
 from mlx_pte.runtime.mlx.launcher import evaluate
 from mlx_pte.serving.engine import Engine, Request, Status
 from mlx_pte.serving.sampling import device as device_sampling
@@ -110,6 +111,29 @@ def test_a_failure_after_the_forward_fails_only_its_request(engine, oracle, monk
         monkeypatch.setattr(device_sampling, "draw", draw)
     good, bad = run_with(engine, poisoned)
     assert bad.status == Status.FAILED and "poisoned" in bad.error
+    check_good(good, oracle)
+
+
+@pytest.mark.parametrize("error", [RuntimeError("[malloc] out of memory"), CacheRefused("no sequence is free")],
+                         ids=["device", "cache"])
+def test_a_fork_that_fails_fails_only_its_request(engine, oracle, monkeypatch, error):
+    """A request of several samples forks its prompt once the prompt is in; a fork that
+    fails (the device out of memory, the cache refusing) ends that request alone, and the
+    requests sharing its step lose no token."""
+    real_clone = engine.cache.seq_clone
+    clones = {"failed": 0}
+
+    def seq_clone(src, upto):
+        if upto == len(POISON):
+            clones["failed"] += 1
+            raise error
+        return real_clone(src, upto)
+
+    monkeypatch.setattr(engine.cache, "seq_clone", seq_clone)
+    good, bad = run_with(engine, Request(POISON, max_tokens=MAX_TOKENS, ignore_eos=True, n=3,
+                                         sampling=SamplingParams(temperature=1.0, seed=5)))
+    assert clones["failed"] == 1
+    assert bad.status == Status.FAILED and "forking the prompt" in bad.error and str(error) in bad.error
     check_good(good, oracle)
 
 
