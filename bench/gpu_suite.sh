@@ -21,8 +21,8 @@
 #   pool_copies.log    bench/pool_copies.py: decode with K/V pools of 512 vs 32,768 slots (whole-pool copies?)
 #
 #   bench/gpu_suite.sh      # on the device, from the repository root; .gpu/ from bench/make_gpu_exports.sh
-#   STEPS="kinds moe" bench/gpu_suite.sh    # only the steps named (default: all but kinds, moe and the
-#                                           # launch steps)
+#   STEPS="kinds moe" bench/gpu_suite.sh    # only the steps named (default: all but kinds, moe, their
+#                                           # _thread forms and the launch steps)
 #   STEPS="launch launch_batches pool_copies" bench/gpu_suite.sh   # the launchers (about 6 minutes)
 #
 # Needs: .whl/ (MLX's CUDA wheel as cuda.part.NN, the mlx and mlx_lm wheels), .gpu/llama1b-bf16.pte.gz
