@@ -15,11 +15,11 @@ in flight, and there every op is a task; on a GPU the tasks are command buffers.
 
 ``n > 1`` samples of one prompt prefill once; right after the prefill the sequence is
 forked once per extra sample, each sample drawing from the same last-row logits with its
-own key chain (seeds ``seed, seed + 1, ...``); a fork that fails ends its request only. With ``Request.grammar``, each sample's
-allowed tokens are masked on the device in the same batched draw as every other row; eos
-is allowed only where the grammar accepts, and a sample whose grammar is complete stops.
-With ``logprobs``, each draw also returns the token's log-probability and the top
-alternatives, from the same (masked) rows.
+own key chain (seeds ``seed, seed + 1, ...``); a fork that fails ends its request only.
+With ``Request.grammar``, each sample's allowed tokens are masked on the device in the
+same batched draw as every other row; eos is allowed only where the grammar accepts, and a
+sample whose grammar is complete stops. With ``logprobs``, each draw also returns the
+token's log-probability and the top alternatives, from the same (masked) rows.
 """
 from __future__ import annotations
 
