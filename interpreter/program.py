@@ -20,6 +20,7 @@ from mlx_pte.ir.errors import FormatError
 from mlx_pte.ir.graph import Graph, SymDim, TensorType
 from mlx_pte.ir.payload import Payload
 from mlx_pte.ir.pte import read_pte
+from mlx_pte.ir.rotary_pairs import rotate_heads_together
 from mlx_pte.ir.upstream.importer import ImportedPayload
 
 from .capture import Capture
@@ -117,7 +118,10 @@ class Program:
         if missing:
             raise FormatError(f"the program has no data for weights {missing}; export it again")
         check_kernels(graph)
-        self.graph = graph
+        self.graph = graph  # as the file (or this rank's shard of it) has it
+        # What runs: the same with the load-time rewrites (q's and k's rotations as one op);
+        # its slots are the file's, then the ones the rewrites add.
+        self.run_graph = graph = rotate_heads_together(graph)
         self.weights = dict(weights)
         # Evaluated here, on the loading thread: a lazy weight (a bfloat16 view of its
         # stored bits) belongs to this thread's stream, which a launcher thread cannot encode.
@@ -135,7 +139,7 @@ class Program:
     def capture(self) -> Capture:
         """The captured form of this program, built on first use (see ``capture``)."""
         if self._capture is None:
-            self._capture = Capture(self.graph, self.steps, self._weight_slots)
+            self._capture = Capture(self.run_graph, self.steps, self._weight_slots)
         return self._capture
 
     @property
