@@ -24,7 +24,9 @@ ratios (bench/rounds.py). Two rates per engine:
 * end-to-end tok/s: B x generate / wall time from submit to the last token (same for all).
 
 Ratios are mlx-pte / mlx-lm (> 1: mlx-pte is faster), and sequence / cell when both kinds
-run. The engine overhead table gives, per decode-only step, the host's time in
+run. ``--masked-decode`` adds, for each batched-sequence row, a twin whose decode steps
+attend through the masked SDPA instead of the CUDA decode kernel
+(``runtime/mlx/decode_attention.py``), and the ratio of the two. The engine overhead table gives, per decode-only step, the host's time in
 ``Engine.step`` outside waiting for token ids, the part of it spent launching the step (the
 forward's graph building and dispatch, and the draws), and the step's time from dispatch to
 its tokens being read (the forward's).
@@ -129,6 +131,8 @@ def main() -> None:
     parser.add_argument("--launch", default=None, metavar="MODE,MODE",
                         help="mlx-pte launch modes (inline, thread), each a row of every kind; "
                              "default: the session's default for the device")
+    parser.add_argument("--masked-decode", action="store_true",
+                        help="also each batched-sequence row with the CUDA decode kernel off (masked SDPA)")
     args = parser.parse_args()
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
@@ -144,6 +148,7 @@ def run(args: argparse.Namespace) -> None:
     launches = args.launch.split(",") if args.launch else [None]
     variants = [(kind, launch) for kind in args.kinds.split(",") for launch in launches]
     kinds = [name_of(kind, launch) for kind, launch in variants]
+    masked = [k + MASKED for k in kinds if args.masked_decode and k.startswith("batched-sequence")]
     vocab = json.loads((args.model_dir / "config.json").read_text())["vocab_size"]
 
     from mlx_pte.interpreter.program import load
@@ -166,6 +171,9 @@ def run(args: argparse.Namespace) -> None:
 
     runners: dict[str, Callable[[list[list[int]]], Rates]] = {
         kind: (lambda p, e=engine: bench_engine(e, p, args.generate)) for kind, engine in engines.items()}
+    for name in masked:
+        runners[name] = lambda p, e=engines[name.removesuffix(MASKED)]: without_decode_kernel(
+            lambda: bench_engine(e, p, args.generate))
     runners["mlx-lm"] = lambda p: bench_mlx_lm(model, p, args.generate)
     rows: dict[int, dict[str, list[Rates]]] = {}
     for b in batches:
@@ -175,11 +183,28 @@ def run(args: argparse.Namespace) -> None:
             for name, bench in runners.items():
                 rows[b][name].append(bench(prompts))
         print(f"B={b} done", flush=True)
-    print_tables(args, kinds, rows)
+    print_tables(args, kinds + masked, rows)
 
 
-SHORT = {"batched-cell": "cell", "batched-sequence": "sequence",
-         "batched-cell+thread": "cell+thr", "batched-sequence+thread": "seq+thr"}
+MASKED = "+masked"
+
+
+def without_decode_kernel(bench: Callable[[], Rates]) -> Rates:
+    """``bench()`` with batched decode attending through the masked SDPA."""
+    from mlx_pte.runtime.mlx import decode_attention
+
+    decode_attention.enabled = False
+    try:
+        return bench()
+    finally:
+        decode_attention.enabled = True
+
+
+def short(name: str) -> str:
+    """A row's column heading."""
+    for long, brief in (("batched-sequence", "seq"), ("batched-cell", "cell"), ("+thread", "+t"), (MASKED, "+m")):
+        name = name.replace(long, brief)
+    return name
 
 
 def name_of(kind: str, launch: Optional[str]) -> str:
@@ -196,15 +221,16 @@ def print_tables(args: argparse.Namespace, kinds: list[str], rows: dict[int, dic
         if {"batched-sequence" + mark, "batched-cell" + mark} <= set(kinds):
             pairs.append(("batched-sequence" + mark, "batched-cell" + mark))
     pairs += [(k, k.removesuffix("+thread")) for k in kinds if k.endswith("+thread") and k.removesuffix("+thread") in kinds]
-    label = {"mlx-lm": "lm", **{k: SHORT[k][:4] for k in KINDS}, **{k + "+thread": SHORT[k][:3] + "+t" for k in KINDS}}
+    pairs += [(k.removesuffix(MASKED), k) for k in kinds if k.endswith(MASKED)]
+    label = {"mlx-lm": "lm", **{k: short(k) for k in kinds}}
     for title, pick in (("decode tok/s", lambda r: r.decode_tps), ("end-to-end tok/s", lambda r: r.e2e_tps)):
         print(f"\n{title}")
-        print(f"{'B':>3} " + " ".join(f"{SHORT[k]:>9}" for k in kinds) + f" {'mlx-lm':>9} "
-              + " ".join(f"{label[a] + '/' + label[b]:>9}" for a, b in pairs))
+        print(f"{'B':>3} " + " ".join(f"{short(k):>9}" for k in kinds) + f" {'mlx-lm':>9} "
+              + " ".join(f"{label[a] + '/' + label[b]:>11}" for a, b in pairs))
         for b, row in rows.items():
             print(f"{b:>3} " + " ".join(f"{statistics.median(map(pick, row[k])):>9.1f}" for k in kinds)
                   + f" {statistics.median(map(pick, row['mlx-lm'])):>9.1f} "
-                  + " ".join(f"{median_ratio(row[a], row[b], pick):>9.2f}" for a, b in pairs))
+                  + " ".join(f"{median_ratio(row[a], row[b], pick):>11.2f}" for a, b in pairs))
     print("\nengine overhead, ms per decode-only step: host (step() outside waiting for tokens), "
           "of it launch, and forward (dispatch to tokens read)")
     print(f"{'B':>3} {'kind':>9} {'host':>8} {'launch':>8} {'forward':>8}")
@@ -212,7 +238,7 @@ def print_tables(args: argparse.Namespace, kinds: list[str], rows: dict[int, dic
         for k in kinds:
             cells = [[getattr(r, field) for r in row[k] if getattr(r, field) is not None]
                      for field in ("host_ms", "launch_ms", "forward_ms")]
-            print(f"{b:>3} {SHORT[k]:>9} " + " ".join(
+            print(f"{b:>3} {short(k):>9} " + " ".join(
                 f"{statistics.median(c):>8.2f}" if c else f"{'-':>8}" for c in cells))
 
 if __name__ == "__main__":

@@ -291,7 +291,20 @@ def run_batched(args: argparse.Namespace, model_dir: Path, ptes: dict[str, Path]
     batched.run(argparse.Namespace(
         model_dir=model_dir, pte=ptes["bf16"], dtype="bfloat16", kinds=args.kinds, batches=args.batches,
         prompt=args.prompt, generate=args.generate, max_step=None, rounds=args.rounds, launch=args.launch,
+        masked_decode=args.masked_decode,
     ))
+
+
+def load_without_rotary_pairs(pte: Path):
+    """The program as loaded before ``ir/rotary_pairs.py``: q and k rotated by a rope each."""
+    from mlx_pte.interpreter import program as program_module
+
+    rewrite = program_module.rotate_heads_together
+    program_module.rotate_heads_together = lambda graph: graph
+    try:
+        return program_module.load(pte)
+    finally:
+        program_module.rotate_heads_together = rewrite
 
 
 def add_device_arguments(parser: argparse.ArgumentParser) -> None:
@@ -320,6 +333,9 @@ def main() -> None:
                         help="add a row for the whole-step capture prototype (bench/capture_modes.py)")
     parser.add_argument("--threaded", action="store_true",
                         help="add a row for mlx-pte captured with launch='thread' (mlx-pte-thread)")
+    parser.add_argument("--separate-rope", action="store_true",
+                        help="add a row for mlx-pte captured with q and k rotated by a rope each (mlx-pte-rope2), "
+                             "as before ir/rotary_pairs.py")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="also print cProfile's top N entries of one mlx-pte generate (first --pte), per capture")
     parser.add_argument("--skip", action="append", default=[], choices=["mlx-pte", "mlx-lm", "hf", "hf-static"])
@@ -328,6 +344,8 @@ def main() -> None:
                              "BatchGenerator (bench/batched.py on the bf16 .pte and the checkpoint)")
     parser.add_argument("--launch", default=None, metavar="MODE,MODE",
                         help="with --batches: mlx-pte launch modes (inline, thread), a row each")
+    parser.add_argument("--masked-decode", action="store_true",
+                        help="with --batches: also each batched-sequence row with the CUDA decode kernel off")
     parser.add_argument("--kinds", default="batched-sequence", metavar="KIND,KIND",
                         help="with --batches: mlx-pte cache kinds (batched-sequence, batched-cell; both also "
                              "print sequence / cell ratios)")
@@ -372,6 +390,9 @@ def main() -> None:
                     program, prompt, args.generate, capacity, True, "thread")
             if args.whole_step:
                 runners["mlx-pte-whole", label] = mlx_pte_whole_runner(program, prompt, args.generate, capacity)
+            if args.separate_rope:
+                runners["mlx-pte-rope2", label] = mlx_pte_runner(
+                    load_without_rotary_pairs(pte), prompt, args.generate, capacity, True)
         if "mlx-lm" not in args.skip:
             runners["mlx-lm", label] = mlx_lm_runner(model_dir, prompt, args.generate, bits_of(label),
                                                      args.group_size)

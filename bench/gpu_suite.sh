@@ -19,6 +19,10 @@
 #   kinds_thread.log   kinds, both layouts launched on a thread
 #   moe_thread.log     moe, mlx-pte launched on a thread
 #   pool_copies.log    bench/pool_copies.py: decode with K/V pools of 512 vs 32,768 slots (whole-pool copies?)
+#   decode_kernel.log  kinds_thread, and batched-sequence again with its CUDA decode kernel off (masked SDPA)
+#   rope_pairs.log     prompt 128, 128 generated, bf16 and q4: mlx-pte as loaded (q and k rotated together)
+#                      and with a rope each (--separate-rope), inline and on a thread, vs mlx-lm
+#   gpu_tests.log      the tests that run only on CUDA (tests/runtime/mlx/test_decode_attention.py), on the GPU
 #
 #   bench/gpu_suite.sh      # on the device, from the repository root; .gpu/ from bench/make_gpu_exports.sh
 #   STEPS="kinds moe" bench/gpu_suite.sh    # only the steps named (default: all but kinds, moe, their
@@ -57,8 +61,8 @@ done
     # Once: the wheels, the device check and the checkpoint; the steps below reuse them.
     (cd bench && "$PY" -c "
 import sys; from pathlib import Path
-from gpu_decode import install_mlx, make_checkpoint
-install_mlx(Path('../.whl'), Path('$SITE')); make_checkpoint(Path('$HF'))
+from gpu_decode import install_mlx, make_checkpoint, project_root
+install_mlx(Path('../.whl'), Path('$SITE')); make_checkpoint(Path('$HF')); project_root(Path('/tmp/gpu_decode/src'))
 sys.path.insert(0, '$SITE'); import mlx.core as mx
 print('MLX', mx.__version__, 'on', mx.default_device()); sys.exit(mx.default_device() != mx.gpu)")
 } > "$OUT/setup.log" 2>&1 || { cat "$OUT/setup.log"; echo "error: setup failed (MLX not on the GPU?)" >&2; exit 1; }
@@ -92,4 +96,13 @@ step kinds_thread 240 "$PY" bench/gpu_decode.py --pte bf16=.gpu/llama1b-bf16.pte
 step moe_thread 300 "$PY" bench/moe.py --shape 30b-a3b --layers 4 --hf-dir /tmp/moe30 --pte .gpu/moe30-bf16.pte.gz \
     --dtype bfloat16 --site "$SITE" --work /tmp/bench_moe --batches 1,8,32 --launch thread
 step pool_copies 90 "$PY" bench/pool_copies.py .gpu/llama1b-bf16.pte.gz --site "$SITE"
+step decode_kernel 300 "$PY" bench/gpu_decode.py --pte bf16=.gpu/llama1b-bf16.pte.gz "${COMMON[@]}" --prompt 128 \
+    --generate 64 --batches 8,32,64 --kinds batched-sequence,batched-cell --launch thread --masked-decode
+step rope_pairs 200 "$PY" bench/gpu_decode.py "${PTES[@]}" "${COMMON[@]}" --prompt 128 --generate 128 \
+    --rounds 5 --capture on --threaded --separate-rope --skip hf --skip hf-static
+# pytest and hypothesis come as wheels in .whl/ with MLX's; --noconftest: the suite's fixtures need the
+# exporter; -P and append: the checkout's own mlx_pte/ (a shim) must not shadow the installed layout.
+step gpu_tests 120 env PYTHONPATH="$SITE:/tmp/gpu_decode/src" "$PY" -P -m pytest -q -p no:cacheprovider --noconftest \
+    --import-mode=append \
+    tests/runtime/mlx/test_decode_attention.py
 grep -h -A3 "median of per-round" "$OUT"/decode_*.log

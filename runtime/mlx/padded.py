@@ -6,10 +6,14 @@ mask computed from each slot's position. Attention does not care in which order 
 come, so a wrapped ring needs no reordering: a slot's position is recovered from the
 row's newest position, and the mask does the rest. Rows in the range that take no part
 in the step see nothing and their outputs are dropped.
+
+A decode step over flat layers (one query per row, each row seeing its first slots) on
+CUDA skips the mask: ``decode_attention`` reads each row's length instead.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Optional, Sequence
 
 import numpy as np
@@ -19,6 +23,7 @@ from mlx_pte.runtime.mlx.bootstrap import mx
 from mlx_pte.runtime.cache import RingLayout, RunPlan, Span
 from mlx_pte.runtime.cache.plans import Layout
 
+from . import decode_attention
 from .attention import attend
 from .masks import Mask, visible
 from .pool import LayerPools
@@ -29,7 +34,7 @@ from .pool import LayerPools
 SPAN_OVERHEAD_PAIRS = 64
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class PaddedBatch:
     """Where a step's tokens go in a padded batch over pool rows ``[lo, hi)``.
 
@@ -43,7 +48,30 @@ class PaddedBatch:
     read_len: int  # slots read per row
     gather: Optional[mx.array]  # int32 [rows * t_max]: token of each padded query (T = padding)
     scatter: Optional[mx.array]  # int32 [T]: padded query of each token
-    mask: Mask  # bool [rows, 1, t_max, read_len], None when every row sees every slot
+    query_pos: np.ndarray  # int32 [rows, t_max]: each padded query's position (-1: padding)
+    newest: np.ndarray  # int32 [rows]: each row's newest position after the step (-1: not in it)
+    ring: Optional[RingLayout]
+    full_view: bool  # one query per row, each seeing every slot read: no mask
+
+    @cached_property
+    def mask(self) -> Mask:
+        """bool [rows, 1, t_max, read_len], None when every row sees every slot; built on
+        first use (a decode step that runs ``decode_attention`` needs none)."""
+        if self.full_view:
+            return None
+        return _slot_mask(self.query_pos, self.newest, self.read_len, self.ring)
+
+    @property
+    def flat_decode(self) -> bool:
+        """One query per row over a flat layer, rows seeing unequal numbers of slots: the
+        case ``decode_attention`` takes without a mask."""
+        return self.t_max == 1 and self.ring is None and not self.full_view
+
+    @cached_property
+    def lengths(self) -> mx.array:
+        """int32 [rows]: the slots each row's one query sees in a ``flat_decode`` step
+        (its first ones; 0 for rows outside the step)."""
+        return mx.array(self.newest + 1)
 
 
 def plan_padded(spans: Sequence[tuple[Span, RunPlan]], layout: Layout) -> Optional[PaddedBatch]:
@@ -93,7 +121,10 @@ def plan_padded(spans: Sequence[tuple[Span, RunPlan]], layout: Layout) -> Option
         read_len=read_len,
         gather=None if in_order else mx.array(gather),
         scatter=None if in_order else mx.array(scatter),
-        mask=None if full_view else _slot_mask(query_pos, newest, read_len, ring),
+        query_pos=query_pos,
+        newest=newest,
+        ring=ring,
+        full_view=full_view,
     )
 
 
@@ -137,7 +168,15 @@ def attend_padded(
         padding = mx.zeros((1, q_heads, dim), q.dtype)
         queries = mx.take(mx.concatenate([queries, padding]), batch.gather, axis=0)
     queries = queries.reshape(rows, batch.t_max, q_heads, dim).transpose(0, 2, 1, 3)
-    out = attend(queries, keys, values, scale, softcap, batch.mask, sinks)  # [rows, Hq, t_max, Dv]
+    if (
+        batch.flat_decode
+        and softcap == 0
+        and sinks is None
+        and decode_attention.available(queries, keys, values)
+    ):
+        out = decode_attention.decode_attention(queries, keys, values, batch.lengths, scale)
+    else:
+        out = attend(queries, keys, values, scale, softcap, batch.mask, sinks)  # [rows, Hq, t_max, Dv]
     out = out.transpose(0, 2, 1, 3).reshape(rows * batch.t_max, q_heads, out.shape[-1])
     if batch.scatter is not None:
         out = mx.take(out, batch.scatter, axis=0)

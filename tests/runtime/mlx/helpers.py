@@ -24,13 +24,18 @@ def make_driver(
     max_write: int | None = None,
     initial_capacity: int = 512,
     kv_dtype: str = "float32",
-    v_head_dim: int = HEAD_DIM,
+    q_heads: int = Q_HEADS,
+    kv_heads: int = KV_HEADS,
+    head_dim: int = HEAD_DIM,
+    v_head_dim: int | None = None,
     seed: int = 0,
     **driver_options,
 ) -> Driver:
-    """An MLX cache of ``kind`` (one layer per window; 0 = flat) and its oracle driver."""
+    """An MLX cache of ``kind`` (one layer per window; 0 = flat) and its oracle driver;
+    V's head dim is K's unless given."""
+    v_head_dim = head_dim if v_head_dim is None else v_head_dim
     policies = [LayerPolicy.from_window(w) for w in windows]
-    geometry = CacheGeometry.uniform(policies, KV_HEADS, HEAD_DIM, v_head_dim)
+    geometry = CacheGeometry.uniform(policies, kv_heads, head_dim, v_head_dim)
     config = CacheConfig(
         capacity=capacity, max_write=max_write, initial_capacity=initial_capacity, kv_dtype=kv_dtype
     )
@@ -38,9 +43,9 @@ def make_driver(
     return Driver(
         cache,
         HistoryOracle(list(windows), kv_dtype),
-        Q_HEADS,
-        KV_HEADS,
-        HEAD_DIM,
+        q_heads,
+        kv_heads,
+        head_dim,
         v_head_dim,
         np.random.default_rng(seed),
         **driver_options,
