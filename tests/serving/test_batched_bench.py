@@ -25,12 +25,12 @@ def test_the_batched_bench_warms_interleaves_and_reports_both_kinds(tmp_path_fac
     assert "batched-sequence: warmed up in" in text and "batched-cell: warmed up in" in text
     assert "medians of 2 interleaved rounds" in text
     decode = text.split("decode tok/s\n")[1].splitlines()
-    assert decode[0].split()[-3:] == ["sequ/lm", "cell/lm", "sequ/cell"]
+    assert decode[0].split()[-3:] == ["seq/lm", "cell/lm", "seq/cell"]
     assert [line.split()[0] for line in decode[1:3]] == ["1", "3"]
     overhead = text.split("engine overhead")[1].splitlines()[2:6]
     for line in overhead:  # B, kind, then three ms figures, all measured
         fields = line.split()
-        assert fields[1] in ("sequence", "cell") and all(float(f) > 0 for f in fields[2:])
+        assert fields[1] in ("seq", "cell") and all(float(f) > 0 for f in fields[2:])
 
 
 def test_the_batched_bench_refuses_an_unknown_kind():
