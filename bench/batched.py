@@ -26,10 +26,10 @@ ratios (bench/rounds.py). Two rates per engine:
 Ratios are mlx-pte / mlx-lm (> 1: mlx-pte is faster), and sequence / cell when both kinds
 run. ``--masked-decode`` adds, for each batched-sequence row, a twin whose decode steps
 attend through the masked SDPA instead of the CUDA decode kernel
-(``runtime/mlx/decode_attention.py``), and the ratio of the two. The engine overhead table gives, per decode-only step, the host's time in
-``Engine.step`` outside waiting for token ids, the part of it spent launching the step (the
-forward's graph building and dispatch, and the draws), and the step's time from dispatch to
-its tokens being read (the forward's).
+(``runtime/mlx/decode_attention.py``), and the ratio of the two. The engine overhead table
+gives, per decode-only step, the host's time in ``Engine.step`` outside waiting for token
+ids, the part of it spent launching the step (the forward's graph building and dispatch,
+and the draws), and the step's time from dispatch to its tokens being read (the forward's).
 """
 from __future__ import annotations
 

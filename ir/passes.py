@@ -207,10 +207,7 @@ def _fuse_layout_pairs(graph: Graph, instructions: list[Instruction]) -> list[In
 
 # -- fused-projection splits ----------------------------------------------------------
 def _fuse_projection_splits(graph: Graph, instructions: list[Instruction]) -> list[Instruction]:
-    readers: dict[int, list[Instruction]] = {}
-    for instr in instructions:
-        for s in _reads(instr):
-            readers.setdefault(s, []).append(instr)
+    readers = readers_of(instructions)
     replaced: dict[int, Optional[Instruction]] = {}  # id of an instruction -> its replacement (None: gone)
     for instr in instructions:
         if instr.op != "split" or any(s in graph.outputs for s in instr.outputs):
@@ -296,6 +293,15 @@ def _glu_halves(graph: Graph, split: Instruction, readers: dict[int, list[Instru
     fused = replace(glu, inputs=split.inputs, attrs=(*glu.attrs, ("width", found[1][0])))
     lookup("glu").validate(fused, graph)
     return fused, [glu]
+
+
+def readers_of(instructions: list[Instruction]) -> dict[int, list[Instruction]]:
+    """Slot → the instructions that read it (as an operand or a size attribute), in order."""
+    readers: dict[int, list[Instruction]] = {}
+    for instr in instructions:
+        for s in _reads(instr):
+            readers.setdefault(s, []).append(instr)
+    return readers
 
 
 def _readers(graph: Graph, instructions: list[Instruction]) -> dict[int, int]:

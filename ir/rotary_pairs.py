@@ -17,17 +17,14 @@ from typing import Optional
 
 from .catalog import lookup
 from .graph import Graph, Instruction, SlotKind, TensorType
+from .passes import readers_of
 
 
 def rotate_heads_together(graph: Graph) -> Graph:
     """``graph`` with each pair of ``rope`` ops over adjacent ``split_heads`` groups merged
     (``graph`` itself is not changed; new slots are appended)."""
     graph = replace(graph, slots=list(graph.slots), instructions=list(graph.instructions))
-    readers: dict[int, list[Instruction]] = {}
-    for instr in graph.instructions:
-        for s in instr.inputs:
-            if s is not None:
-                readers.setdefault(s, []).append(instr)
+    readers = readers_of(graph.instructions)
     replaced: dict[int, list[Instruction]] = {}  # id of an instruction -> what takes its place
     for instr in graph.instructions:
         if instr.op == "split_heads":
