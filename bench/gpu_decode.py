@@ -33,6 +33,11 @@ every engine once, in turn): the table gives the medians of their rates and, bel
 median of the per-round ratios, the figure that survives the device's drift (bench/rounds.py).
 HF rows run once, after the rounds. mlx-pte rows also give the decode step's host ms (building its lazy graph) and device ms
 (``mx.eval`` of it with nothing else in flight): see bench/step_split.py.
+
+``--pte-env KEY=VALUE`` times mlx-pte under an MLX setting read once per process (say
+``MLX_USE_CUDA_GRAPHS=0``): it is set in this process before MLX loads, and the mlx-lm rows
+then run in a process of their own (bench/peer_process.py) with the environment as it was,
+still interleaved round by round.
 """
 from __future__ import annotations
 
@@ -51,6 +56,7 @@ from typing import Callable
 import numpy as np
 
 from decode_table import Key, Rates, print_table
+from peer_process import PeerProcess, serve
 from rounds import median_rates, print_round_ratios, run_rounds
 from step_split import host_device_ms
 from variants import FULL_PRECISION, bits_of, load_mlx_lm, parse_pte
@@ -66,8 +72,14 @@ LLAMA_1B = dict(
 
 
 def install_mlx(wheels: Path, target: Path) -> None:
-    """Reassemble MLX's split CUDA wheel and install every wheel in ``wheels`` into ``target``."""
+    """Reassemble MLX's split CUDA wheel and install every wheel in ``wheels`` into ``target``;
+    nothing to do where ``target`` already holds these wheels (the suite's steps share one)."""
     parts = sorted(wheels.glob("cuda.part.*"))
+    stamp = target / ".installed-wheels"
+    listing = "\n".join(f"{p.name} {p.stat().st_size}" for p in sorted(wheels.iterdir())
+                        if p.is_file() and p.name != CUDA_WHEEL)  # the whole wheel: made below from parts
+    if stamp.is_file() and stamp.read_text() == listing:
+        return
     if parts:
         with open(wheels / CUDA_WHEEL, "wb") as whole:
             for part in parts:
@@ -85,6 +97,7 @@ def install_mlx(wheels: Path, target: Path) -> None:
         found = [Path(p) / "nvidia" for p in site.getsitepackages() if (Path(p) / "nvidia").is_dir()]
         if found:
             nvidia.symlink_to(found[0], target_is_directory=True)
+    stamp.write_text(listing)
 
 
 def project_root(dest: Path) -> Path:
@@ -346,6 +359,10 @@ def main() -> None:
                         help="with --batches: mlx-pte launch modes (inline, thread), a row each")
     parser.add_argument("--masked-decode", action="store_true",
                         help="with --batches: also each batched-sequence row with the CUDA decode kernel off")
+    parser.add_argument("--pte-env", action="append", default=[], metavar="KEY=VALUE",
+                        help="an MLX setting for mlx-pte only (repeatable): mlx-lm then runs in a process of its "
+                             "own, without it")
+    parser.add_argument("--serve-mlx-lm", metavar="LABEL", help=argparse.SUPPRESS)  # a --pte-env run's child
     parser.add_argument("--kinds", default="batched-sequence", metavar="KIND,KIND",
                         help="with --batches: mlx-pte cache kinds (batched-sequence, batched-cell; both also "
                              "print sequence / cell ratios)")
@@ -358,6 +375,14 @@ def main() -> None:
     if len({label for label, _ in labelled}) != len(labelled):
         parser.error("each --pte needs its own LABEL")
     capacity = args.capacity or args.prompt + args.generate
+    settings = dict(setting.partition("=")[::2] for setting in args.pte_env)
+    if any(not key or not value for key, value in settings.items()):
+        parser.error(f"--pte-env takes KEY=VALUE, got {' '.join(args.pte_env)}")
+    if settings and args.batches:
+        parser.error("--pte-env times generate() against mlx-lm's generate_step; it does not apply to --batches")
+    environment = dict(os.environ)  # the mlx-lm process's, without the settings
+    if not args.serve_mlx_lm:
+        os.environ.update(settings)  # before MLX loads: it reads them once
 
     args.work.mkdir(parents=True, exist_ok=True)
     if args.wheels:
@@ -365,9 +390,15 @@ def main() -> None:
     sys.path[:0] = [str(args.site), str(project_root(args.work / "src"))]
     model_dir = make_checkpoint(args.hf_dir)  # imports torch, before MLX (as this script always ran)
     ptes = {label: gunzip(path, args.work) for label, path in labelled}
-
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    prompt = np.random.default_rng(0).integers(0, vocab, args.prompt).tolist()
     import mlx_pte.runtime.mlx.blas  # noqa: F401  (before mlx.core; a missing OpenBLAS only warns)
     import mlx.core as mx
+
+    if args.serve_mlx_lm:  # the BLAS aside, nothing of mlx-pte's runs in this process
+        check_mlx_device(args.wheels is not None)
+        serve(lambda: mlx_lm_runner(model_dir, prompt, args.generate, bits_of(args.serve_mlx_lm), args.group_size))
+        return
 
     device = check_mlx_device(args.wheels is not None)
     if args.batches:
@@ -375,8 +406,6 @@ def main() -> None:
         return
     from mlx_pte import load
 
-    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
-    prompt = np.random.default_rng(0).integers(0, vocab, args.prompt).tolist()
     captures = {"on": [True], "off": [False], "both": [True, False]}[args.capture]
     runners: dict[Key, Runner] = {}
     for label, pte in ptes.items():
@@ -393,10 +422,15 @@ def main() -> None:
             if args.separate_rope:
                 runners["mlx-pte-rope2", label] = mlx_pte_runner(
                     load_without_rotary_pairs(pte), prompt, args.generate, capacity, True)
-        if "mlx-lm" not in args.skip:
+        if "mlx-lm" not in args.skip and settings:
+            runners["mlx-lm", label] = PeerProcess([__file__, *sys.argv[1:], "--serve-mlx-lm", label], environment)
+        elif "mlx-lm" not in args.skip:
             runners["mlx-lm", label] = mlx_lm_runner(model_dir, prompt, args.generate, bits_of(label),
                                                      args.group_size)
     rounds = run_rounds(runners, args.rounds)
+    for runner in runners.values():
+        if isinstance(runner, PeerProcess):
+            runner.close()
     rows = {key: median_rates(per_round) for key, per_round in rounds.items()}
     full = next((label for label in ptes if label in FULL_PRECISION), "bf16")
     if "hf" not in args.skip:
@@ -407,6 +441,8 @@ def main() -> None:
     import torch
 
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA"
+    if settings:
+        print(f"mlx-pte rows under {' '.join(args.pte_env)}; mlx-lm in a process of its own without")
     print_table(f"{model_dir.name}: prompt {args.prompt}, generate {args.generate}, bfloat16 activations, "
                 f"groups of {args.group_size}, mlx-pte capacity {capacity}, MLX {mx.__version__} on {device}, "
                 f"torch {torch.__version__} on {gpu}; medians of {args.rounds} interleaved rounds", rows)

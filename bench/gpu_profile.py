@@ -11,8 +11,9 @@ by time. Prefill is taken out by profiling a generation of 1 token and one of
 ``--generate + 1`` with the same prompt and dividing the difference by ``--generate``.
 
 With ``--batch B`` (> 1), B requests of distinct prompts decode together instead: mlx-pte's
-Engine over ``--kind`` against mlx-lm's BatchGenerator (bench/batched.py's runs), and the
-figures are per decode step (one token of every request).
+Engine over ``--kind`` (launched per ``--launch``; ``--masked-decode`` turns the CUDA decode
+kernel off) against mlx-lm's BatchGenerator (bench/batched.py's runs), and the figures are per
+decode step (one token of every request).
 """
 from __future__ import annotations
 
@@ -88,6 +89,10 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1, help="requests decoding together (default 1: generate())")
     parser.add_argument("--kind", default="batched-sequence", choices=["batched-sequence", "batched-cell"],
                         help="with --batch: the engine's cache kind")
+    parser.add_argument("--launch", choices=["inline", "thread"],
+                        help="with --batch: where the engine launches its steps (default: the device's)")
+    parser.add_argument("--masked-decode", action="store_true",
+                        help="with --batch: decode through the masked SDPA, the CUDA decode kernel off")
     args = parser.parse_args()
     if args.generate < 1:
         parser.error("--generate must be at least 1")
@@ -144,15 +149,22 @@ def main() -> None:
 
 def profile_batch(args: argparse.Namespace, ptes: dict[str, Path], model_dir: Path, vocab: int) -> None:
     """Per decode step of ``--batch`` requests: the engine against mlx-lm's BatchGenerator."""
-    from batched import bench_engine, bench_mlx_lm, prompts_for, warmed_engine
+    from batched import bench_engine, bench_mlx_lm, prompts_for, warmed_engine, without_decode_kernel
     from mlx_pte import load
 
     prompts = prompts_for(args.batch, args.prompt, vocab)
+    masked = " masked" if args.masked_decode else ""
     for label, pte in ptes.items():
         if "mlx-pte" not in args.skip:
-            engine = warmed_engine(load(pte), args.kind, args.batch * (args.prompt + args.generate + 1), "bfloat16")
-            per_token(lambda count: lambda: bench_engine(engine, prompts, count), args.generate, args.top,
-                      f"mlx-pte {label} {args.kind}, B={args.batch}, per step")
+            engine = warmed_engine(load(pte), args.kind, args.batch * (args.prompt + args.generate + 1), "bfloat16",
+                                   args.launch)
+
+            def engine_run(count: int) -> Callable[[], None]:
+                run = lambda: bench_engine(engine, prompts, count)  # noqa: E731
+                return (lambda: without_decode_kernel(run)) if args.masked_decode else run
+
+            per_token(engine_run, args.generate, args.top,
+                      f"mlx-pte {label} {args.kind}{masked} launched {args.launch or 'by default'}, B={args.batch}, per step")
             del engine
         if "mlx-lm" not in args.skip:
             model = load_mlx_lm(model_dir, "bfloat16", bits_of(label), args.group_size)

@@ -23,6 +23,12 @@
 #   rope_pairs.log     prompt 128, 128 generated, bf16 and q4: mlx-pte as loaded (q and k rotated together)
 #                      and with a rope each (--separate-rope), inline and on a thread, vs mlx-lm
 #   gpu_tests.log      the tests that run only on CUDA (tests/runtime/mlx/test_decode_attention.py), on the GPU
+#   profile_b64.log    per decode step of 64 requests (launch thread, the GPU's default): batched-sequence,
+#                      the same with its decode kernel off (masked SDPA), and batched-cell
+#   graphs_off.log     prompt 128, 128 generated, bf16: mlx-pte inline and on a thread with MLX_USE_CUDA_GRAPHS=0
+#                      (each kernel launched on its own) vs mlx-lm in a process of its own with MLX's defaults
+#   graphs_on.log      the same with MLX's defaults, one process (the baseline of the two steps around it)
+#   ops_per_graph.log  the same with MLX_MAX_OPS_PER_BUFFER=250 (MLX's default on H100/H200: 100 kernels a graph)
 #
 #   bench/gpu_suite.sh      # on the device, from the repository root; .gpu/ from bench/make_gpu_exports.sh
 #   STEPS="kinds moe" bench/gpu_suite.sh    # only the steps named (default: all but kinds, moe, their
@@ -100,6 +106,15 @@ step decode_kernel 300 "$PY" bench/gpu_decode.py --pte bf16=.gpu/llama1b-bf16.pt
     --generate 64 --batches 8,32,64 --kinds batched-sequence,batched-cell --launch thread --masked-decode
 step rope_pairs 200 "$PY" bench/gpu_decode.py "${PTES[@]}" "${COMMON[@]}" --prompt 128 --generate 128 \
     --rounds 5 --capture on --threaded --separate-rope --skip hf --skip hf-static
+B64=(--pte bf16=.gpu/llama1b-bf16.pte.gz "${COMMON[@]}" --prompt 128 --generate 16 --batch 64 --top 16
+     --skip mlx-lm --launch thread)
+step profile_b64 300 bash -c '"$@" && "$@" --masked-decode && "$@" --kind batched-cell' _ \
+    "$PY" bench/gpu_profile.py "${B64[@]}"
+BF16_LAUNCH=(--pte bf16=.gpu/llama1b-bf16.pte.gz "${COMMON[@]}" --prompt 128 --generate 128 --rounds 5
+             --capture on --threaded --skip hf --skip hf-static)
+step graphs_off 180 "$PY" bench/gpu_decode.py "${BF16_LAUNCH[@]}" --pte-env MLX_USE_CUDA_GRAPHS=0
+step graphs_on 150 "$PY" bench/gpu_decode.py "${BF16_LAUNCH[@]}"
+step ops_per_graph 180 "$PY" bench/gpu_decode.py "${BF16_LAUNCH[@]}" --pte-env MLX_MAX_OPS_PER_BUFFER=250
 # pytest and hypothesis come as wheels in .whl/ with MLX's; --noconftest: the suite's fixtures need the
 # exporter; -P and append: the checkout's own mlx_pte/ (a shim) must not shadow the installed layout.
 step gpu_tests 120 env PYTHONPATH="$SITE:/tmp/gpu_decode/src" "$PY" -P -m pytest -q -p no:cacheprovider --noconftest \
