@@ -5,7 +5,8 @@ single kind uses row 0). A step writes all its tokens first (a step of one seque
 one static slice write per contiguous slot run, others in one scatter per pool), then
 attends either span by span (each span reads its run plan's runs in logical order,
 with the mask the run plan asks for) or, when several sequences step together and it
-is cheaper, as one padded batch over their rows (see ``padded``).
+is cheaper, as one padded batch over their rows (see ``padded``); a step too ragged for
+one batch still batches its leading decode spans.
 
 Writing before reading is safe: a step writes at most ``max_write`` tokens per
 sequence, and a ring keeps ``window + max_write - 1`` slots, so no token of the step
@@ -19,7 +20,7 @@ position q at slot ``q mod slots``, so its fork keeps every slot).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -31,7 +32,9 @@ from mlx_pte.runtime.cache import (
     CacheConfig,
     CacheGeometry,
     RingLayout,
+    RunPlan,
     SequenceStepPlan,
+    Span,
     SingleCache,
 )
 from mlx_pte.runtime.cache.plans import Layout
@@ -61,6 +64,17 @@ def token_slots(plan: SequenceStepPlan, layout: Layout) -> TokenSlots:
     if isinstance(layout, RingLayout):
         slots %= layout.slots
     return TokenSlots(mx.array(rows), mx.array(slots), int(rows.max()), int(slots.max()))
+
+
+def _decode_batch(
+    spans: Sequence[tuple[Span, RunPlan]], layout: Layout
+) -> tuple[int, Optional[PaddedBatch]]:
+    """The step's leading one-token spans and their padded batch (None when fewer than two
+    lead, or a span loop is cheaper for them)."""
+    leading = 0
+    while leading < len(spans) and spans[leading][0].count == 1:
+        leading += 1
+    return leading, plan_padded(spans[:leading], layout) if leading >= 2 else None
 
 
 class SequencePools:
@@ -139,8 +153,16 @@ class SequencePools:
         )
         if batch is not None:
             return attend_padded(pools, batch, q, scale, softcap, sinks)
+        # Too ragged for one batch (prompt chunks beside decode rows, as the engine mixes
+        # them): the decode spans, which lead the step, still attend as one batch, and
+        # each remaining span on its own.
+        decoding, decode_batch = self._memo.get(plan, ("decode batch", index), lambda: _decode_batch(runs, layout))
         outs = []
-        for i, (span, run) in enumerate(runs):
+        if decode_batch is not None:
+            outs.append(attend_padded(pools, decode_batch, q[:, :, :decoding], scale, softcap, sinks))
+        else:
+            decoding = 0
+        for i, (span, run) in enumerate(runs[decoding:], start=decoding):
             queries = q if len(runs) == 1 else q[:, :, span.start : span.start + span.count]
             keys = pools.k.read_runs(span.seq_id, run.read)
             values = pools.v.read_runs(span.seq_id, run.read)

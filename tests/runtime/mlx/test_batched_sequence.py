@@ -63,6 +63,31 @@ def test_decode_continues_each_private_history():
         d.check([a, b, c], [d.cache.pos(a), d.cache.pos(b), d.cache.pos(c)])
 
 
+def test_a_prompt_chunk_beside_decode_rows_batches_the_decode_rows(monkeypatch):
+    """The engine's mixed step (decode rows first, then a prompt chunk) is too ragged for
+    one padded batch at the default cost; its decode rows still attend as one."""
+    monkeypatch.setattr(padded, "SPAN_OVERHEAD_PAIRS", 64)
+    d = make_driver(KIND, [0, 5], capacity=96, max_write=8)
+    rows = [d.cache.seq_new() for _ in range(4)]
+    for seq, n in zip(rows[:3], (20, 17, 23)):
+        d.check([seq] * 8, list(range(8)))
+        for at in range(8, n, 8):
+            d.check([seq] * min(8, n - at), list(range(at, min(n, at + 8))))
+    from mlx_pte.runtime.mlx import sequence
+
+    batched = []
+    real = sequence.attend_padded
+
+    def spy(pools, batch, q, *rest):
+        batched.append((batch.hi - batch.lo, q.shape[2]))
+        return real(pools, batch, q, *rest)
+
+    monkeypatch.setattr(sequence, "attend_padded", spy)
+    decode = [d.cache.pos(seq) for seq in rows[:3]]
+    d.check(rows[:3] + [rows[3]] * 8, decode + list(range(8)))
+    assert batched == [(3, 3), (3, 3)]  # per layer: the three decode rows, their three tokens
+
+
 def test_rows_out_of_order_and_idle_rows_between():
     d = make_driver(KIND, [0, 3], max_write=2)
     s = [d.cache.seq_new() for _ in range(4)]
