@@ -43,6 +43,9 @@ def _as_int_tuple(name: str, values: Iterable[object]) -> tuple[int, ...]:
         items = tuple(values)
     except TypeError:
         raise InvalidStep(f"{name} must be a sequence of integers, got {values!r}") from None
+    # Plain ints in range, what the engine passes every step: checked without a call each.
+    if all(type(v) is int for v in items) and (not items or (min(items) >= 0 and max(items) <= MAX_INDEX)):
+        return items
     out = []
     for v in items:
         i = as_index(v)
