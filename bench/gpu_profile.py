@@ -7,7 +7,8 @@ run, on the same Llama-3.2-1B-shaped checkpoint and exports as bench/gpu_decode.
 
 Per decode token: kernels launched, kernel ms (sum of kernel durations), wall ms (under
 the profiler, which inflates it), the busy fraction (kernel / wall) and the top kernels
-by time. Prefill is taken out by profiling a generation of 1 token and one of
+by time; and the nodes of one decode step's lazy graph by primitive (what MLX's evaluation
+walks and encodes: views included, which launch no kernel). Prefill is taken out by profiling a generation of 1 token and one of
 ``--generate + 1`` with the same prompt and dividing the difference by ``--generate``.
 
 With ``--batch B`` (> 1), B requests of distinct prompts decode together instead: mlx-pte's
@@ -77,6 +78,21 @@ def per_token(make_run: Callable[[int], Callable[[], None]], n: int, top: int, t
         print(f"  {name[:72]:<72} {counts[name] / n:>7.1f} {us / n / 1e3:>7.3f} {us / max(sum(micros.values()), 1):>6.0%}")
 
 
+def graph_nodes(outputs, title: str, top: int) -> None:
+    """Print the primitives of the lazy graph behind ``outputs`` (``mx.export_to_dot``)."""
+    import re
+    import tempfile
+
+    import mlx.core as mx
+
+    with tempfile.TemporaryDirectory() as work:
+        dot = Path(work) / "step.dot"
+        mx.export_to_dot(str(dot), outputs)
+        names = Counter(re.findall(r'label ="([A-Za-z_0-9]+)', dot.read_text()))
+    print(f"\n{title}: {sum(names.values())} graph nodes in one decode step; by primitive: "
+          + ", ".join(f"{name} {count}" for name, count in names.most_common(top)), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pte", action="append", required=True, metavar="[LABEL=]PATH",
@@ -133,6 +149,10 @@ def main() -> None:
                                             prompt, max_new_tokens=count, stop_on_eos=False)
 
                 per_token(pte_run, args.generate, args.top, f"mlx-pte {label} capture {'on' if capture else 'off'}")
+                session = Session(program, capacity=capacity, kv_dtype="bfloat16", capture=capture, launch="inline")
+                session.forward(prompt)
+                graph_nodes(session.forward([prompt[0]], evaluate=False), f"mlx-pte {label} capture "
+                            f"{'on' if capture else 'off'}", args.top)
             del program
         if "mlx-lm" not in args.skip:
             model = load_mlx_lm(model_dir, "bfloat16", bits_of(label), args.group_size)
@@ -144,6 +164,11 @@ def main() -> None:
                 return run
 
             per_token(lm_run, args.generate, args.top, f"mlx-lm {label}")
+            from mlx_lm.models.cache import make_prompt_cache
+
+            cache = make_prompt_cache(model)
+            mx.eval(model(mx.array([prompt]), cache=cache))
+            graph_nodes(model(mx.array([[prompt[0]]]), cache=cache), f"mlx-lm {label}", args.top)
             del model
 
 

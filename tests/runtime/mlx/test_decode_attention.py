@@ -36,7 +36,7 @@ def batch_of(cache, layer: int = 0) -> padded.PaddedBatch | None:
 
 def prefilled(windows: list[int], lengths: list[int], atol: float = 1e-3, **options):
     """A batched-sequence driver whose sequences hold ``lengths`` tokens each."""
-    d = make_driver("batched-sequence", windows, capacity=128, max_write=8, **options)
+    d = make_driver("batched-sequence", windows, capacity=512, max_write=8, **options)
     seqs = [d.cache.seq_new() for _ in lengths]
     for seq, n in zip(seqs, lengths):
         d.prefill(seq, 0, n, atol=atol)
@@ -121,9 +121,10 @@ def test_kernel_matches_float64_attention_over_pool_views(dtype, q_heads, kv_hea
 def test_cache_decode_steps_through_the_kernel_match_the_oracle(lengths, stepping, dtype):
     mx_dtype, atol = DTYPES[dtype]
     # Flat layers only: a ring's decode attends through MLX's masked SDPA, whose fp32 on an
-    # H100 was 1.7e-4 off float64 (the kernel's: within 2e-5).
-    d, seqs = prefilled([0, 0], lengths, atol, q_heads=8, kv_heads=2, head_dim=64, q_dtype=mx_dtype,
-                        kv_dtype=dtype)
+    # H100 was 1.7e-4 off float64 (the kernel's: within 2e-5). The prefill is not under test
+    # and runs MLX's SDPA too, hence its looser tolerance.
+    d, seqs = prefilled([0, 0], lengths, DTYPES["bfloat16"][1], q_heads=8, kv_heads=2, head_dim=64,
+                        q_dtype=mx_dtype, kv_dtype=dtype)
     calls = []
     real = decode_attention.decode_attention
 
