@@ -7,8 +7,8 @@ come, so a wrapped ring needs no reordering: a slot's position is recovered from
 row's newest position, and the mask does the rest. Rows in the range that take no part
 in the step see nothing and their outputs are dropped.
 
-A decode step over flat layers (one query per row, each row seeing its first slots) on
-CUDA skips the mask: ``decode_attention`` reads each row's length instead.
+A decode step (one query per row) whose rows see different slots skips the mask on
+CUDA: ``decode_attention`` derives what each row sees from its query position instead.
 """
 from __future__ import annotations
 
@@ -62,16 +62,16 @@ class PaddedBatch:
         return _slot_mask(self.query_pos, self.newest, self.read_len, self.ring)
 
     @property
-    def flat_decode(self) -> bool:
-        """One query per row over a flat layer, rows seeing unequal numbers of slots: the
-        case ``decode_attention`` takes without a mask."""
-        return self.t_max == 1 and self.ring is None and not self.full_view
+    def masked_decode(self) -> bool:
+        """One query per row, rows seeing different slots: the case ``decode_attention``
+        takes without a mask (a step whose rows all see every slot read needs none)."""
+        return self.t_max == 1 and not self.full_view
 
     @cached_property
-    def lengths(self) -> mx.array:
-        """int32 [rows]: the slots each row's one query sees in a ``flat_decode`` step
-        (its first ones; 0 for rows outside the step)."""
-        return mx.array(self.newest + 1)
+    def query_positions(self) -> mx.array:
+        """int32 [rows]: each row's one query position in a ``masked_decode`` step (-1 for
+        rows outside the step), from which ``decode_attention`` derives what it sees."""
+        return mx.array(self.newest)
 
 
 def plan_padded(spans: Sequence[tuple[Span, RunPlan]], layout: Layout) -> Optional[PaddedBatch]:
@@ -168,13 +168,12 @@ def attend_padded(
         padding = mx.zeros((1, q_heads, dim), q.dtype)
         queries = mx.take(mx.concatenate([queries, padding]), batch.gather, axis=0)
     queries = queries.reshape(rows, batch.t_max, q_heads, dim).transpose(0, 2, 1, 3)
-    if (
-        batch.flat_decode
-        and softcap == 0
-        and sinks is None
-        and decode_attention.available(queries, keys, values)
-    ):
-        out = decode_attention.decode_attention(queries, keys, values, batch.lengths, scale)
+    if batch.masked_decode and decode_attention.available(queries, keys, values):
+        ring = batch.ring
+        out = decode_attention.decode_attention(
+            queries, keys, values, batch.query_positions, scale,
+            ring_slots=ring.slots if ring else 0, window=ring.window if ring else 0, softcap=softcap, sinks=sinks,
+        )
     else:
         out = attend(queries, keys, values, scale, softcap, batch.mask, sinks)  # [rows, Hq, t_max, Dv]
     out = out.transpose(0, 2, 1, 3).reshape(rows * batch.t_max, q_heads, out.shape[-1])

@@ -32,18 +32,24 @@ def round_to(kv_dtype: str, x: np.ndarray) -> np.ndarray:
 
 
 def full_attention(
-    q: np.ndarray, keys: np.ndarray, values: np.ndarray, scale: float, softcap: float
+    q: np.ndarray, keys: np.ndarray, values: np.ndarray, scale: float, softcap: float,
+    sinks: Optional[np.ndarray] = None,
 ) -> np.ndarray:
-    """q [Hq, D] over keys [S, Hkv, D], values [S, Hkv, Dv] -> [Hq, Dv] (float64)."""
+    """q [Hq, D] over keys [S, Hkv, D], values [S, Hkv, Dv] -> [Hq, Dv] (float64); sinks
+    [Hq]: per-head logits that join the softmax's denominator and attend to nothing."""
     groups = q.shape[0] // keys.shape[1]
     k = np.repeat(keys.astype(np.float64), groups, axis=1)  # [S, Hq, D]
     v = np.repeat(values.astype(np.float64), groups, axis=1)
     scores = np.einsum("hd,shd->hs", q.astype(np.float64), k) * scale
     if softcap > 0:
         scores = softcap * np.tanh(scores / softcap)
+    if sinks is not None:
+        scores = np.concatenate([scores, np.asarray(sinks, np.float64)[:, None]], axis=1)
     scores -= scores.max(axis=1, keepdims=True)
     p = np.exp(scores)
     p /= p.sum(axis=1, keepdims=True)
+    if sinks is not None:
+        p = p[:, :-1]
     return np.einsum("hs,shd->hd", p, v)
 
 
