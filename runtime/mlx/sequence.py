@@ -69,12 +69,13 @@ def token_slots(plan: SequenceStepPlan, layout: Layout) -> TokenSlots:
 def _decode_batch(
     spans: Sequence[tuple[Span, RunPlan]], layout: Layout
 ) -> tuple[int, Optional[PaddedBatch]]:
-    """The step's leading one-token spans and their padded batch (None when fewer than two
-    lead, or a span loop is cheaper for them)."""
+    """How many one-token spans lead the step and their padded batch; (0, None) when fewer
+    than two lead, or a span loop is cheaper for them."""
     leading = 0
     while leading < len(spans) and spans[leading][0].count == 1:
         leading += 1
-    return leading, plan_padded(spans[:leading], layout) if leading >= 2 else None
+    batch = plan_padded(spans[:leading], layout) if leading >= 2 else None
+    return (leading, batch) if batch is not None else (0, None)
 
 
 class SequencePools:
@@ -160,8 +161,6 @@ class SequencePools:
         outs = []
         if decode_batch is not None:
             outs.append(attend_padded(pools, decode_batch, q[:, :, :decoding], scale, softcap, sinks))
-        else:
-            decoding = 0
         for i, (span, run) in enumerate(runs[decoding:], start=decoding):
             queries = q if len(runs) == 1 else q[:, :, span.start : span.start + span.count]
             keys = pools.k.read_runs(span.seq_id, run.read)

@@ -97,6 +97,30 @@ def visible_slots(newest: int, slots: int, ring: int, window: int) -> list[int]:
     return [t % ring for t in range(first, newest + 1) if t % ring < slots]
 
 
+def contract_rows(q, k, v, newest, scale, ring, window, softcap=0.0, sinks=None) -> np.ndarray:
+    """float64 [B, Hq, Dv]: each row's attention over the slots its query sees (zeros for
+    a row outside the step), from arrays of any dtype."""
+    q64, k64, v64 = (np.array(a.astype(mx.float32), np.float64) for a in (q, k, v))
+    sinks64 = None if sinks is None else np.array(sinks.astype(mx.float32), np.float64)
+    out = np.zeros((q64.shape[0], q64.shape[1], v64.shape[-1]))
+    for row, p in enumerate(np.asarray(newest)):
+        if p >= 0:
+            seen = visible_slots(int(p), k64.shape[2], ring, window)
+            # k64[row] first: [row, :, seen] would mix a scalar and a list index, moving the
+            # slot axis to the front.
+            out[row] = full_attention(q64[row, :, 0], k64[row][:, seen].transpose(1, 0, 2),
+                                      v64[row][:, seen].transpose(1, 0, 2), scale, softcap, sinks64)
+    return out
+
+
+def assert_rows_match(got: np.ndarray, want: np.ndarray, newest: np.ndarray, atol: float) -> None:
+    for row, p in enumerate(newest):
+        if p < 0:
+            np.testing.assert_array_equal(got[row], 0)
+        else:
+            np.testing.assert_allclose(got[row, :, 0], want[row], atol=atol, rtol=atol, err_msg=f"row {row}")
+
+
 LAYOUTS = {"flat": (0, 0), "ring": (11, 7), "ring-whole": (9, 9)}  # (ring slots, window)
 
 
@@ -121,17 +145,7 @@ def test_kernel_matches_float64_attention_over_pool_views(dtype, q_heads, kv_hea
     got = np.array(decode_attention.decode_attention(
         queries, k_view, v_view, mx.array(newest), 0.125, ring_slots=ring, window=window).astype(mx.float32))
     assert got.shape == (rows, q_heads, 1, dim)
-    k64, v64, q64 = (np.array(a.astype(mx.float32)) for a in (k_view, v_view, queries))
-    for row, p in enumerate(newest):
-        if p < 0:
-            np.testing.assert_array_equal(got[row], 0)
-            continue
-        seen = visible_slots(int(p), read, ring, window)
-        # k64[row] first: [row, :, seen] would mix a scalar and a list index, moving the
-        # slot axis to the front.
-        want = full_attention(q64[row, :, 0], k64[row][:, seen].transpose(1, 0, 2),
-                              v64[row][:, seen].transpose(1, 0, 2), 0.125, 0.0)
-        np.testing.assert_allclose(got[row, :, 0], want, atol=atol, rtol=atol, err_msg=f"row {row}")
+    assert_rows_match(got, contract_rows(queries, k_view, v_view, newest, 0.125, ring, window), newest, atol)
 
 
 @cuda_only
@@ -152,30 +166,14 @@ def test_kernel_caps_scores_and_adds_sinks_as_attention_does(dtype, layout, soft
     got = np.array(decode_attention.decode_attention(
         q, k, v, mx.array(newest), 0.125, ring_slots=ring, window=window, softcap=softcap, sinks=sinks,
     ).astype(mx.float32))
-    k64, v64, q64 = (np.array(a.astype(mx.float32)) for a in (k, v, q))
-    sinks64 = None if sinks is None else np.array(sinks.astype(mx.float32))
-    for row, p in enumerate(newest):
-        if p < 0:
-            np.testing.assert_array_equal(got[row], 0)
-            continue
-        seen = visible_slots(int(p), read, ring, window)
-        want = full_attention(q64[row, :, 0], k64[row][:, seen].transpose(1, 0, 2),
-                              v64[row][:, seen].transpose(1, 0, 2), 0.125, softcap, sinks64)
-        np.testing.assert_allclose(got[row, :, 0], want, atol=atol, rtol=atol, err_msg=f"row {row}")
+    assert_rows_match(got, contract_rows(q, k, v, newest, 0.125, ring, window, softcap, sinks), newest, atol)
 
 
 def kernel_contract(q, k, v, newest, scale, *, ring_slots=0, window=0, softcap=0.0, sinks=None):
     """``decode_attention``'s contract (its module docstring) in float64 numpy: the stand-in
     through which the CPU checks what the cache hands the kernel."""
-    q64, k64, v64 = (np.array(a.astype(mx.float32), np.float64) for a in (q, k, v))
-    sinks64 = None if sinks is None else np.array(sinks.astype(mx.float32), np.float64)
-    out = np.zeros(q64.shape)
-    for row, p in enumerate(np.array(newest)):
-        if p >= 0:
-            seen = visible_slots(int(p), k64.shape[2], ring_slots, window)
-            out[row, :, 0] = full_attention(q64[row, :, 0], k64[row][:, seen].transpose(1, 0, 2),
-                                            v64[row][:, seen].transpose(1, 0, 2), scale, softcap, sinks64)
-    return mx.array(out.astype(np.float32)).astype(q.dtype)
+    out = contract_rows(q, k, v, np.array(newest), scale, ring_slots, window, softcap, sinks)
+    return mx.array(out[:, :, None].astype(np.float32)).astype(q.dtype)
 
 
 def decode_steps_match_the_oracle(lengths, stepping, dtype, softcap, kernel) -> None:
