@@ -22,6 +22,8 @@
 #   decode_kernel.log  kinds_thread, and batched-sequence again with its CUDA decode kernel off (masked SDPA)
 #   rope_pairs.log     prompt 128, 128 generated, bf16 and q4: mlx-pte as loaded (q and k rotated together)
 #                      and with a rope each (--separate-rope), inline and on a thread, vs mlx-lm
+#   encode.log         bench/gpu_encode.py: host us per graph node by kind (views, kernels, gemv), MLX's
+#                      defaults, then MLX_USE_CUDA_GRAPHS=0
 #   gpu_tests.log      the tests that run only on CUDA (tests/runtime/mlx/test_decode_attention.py), on the GPU
 #   profile_b64.log    per decode step of 64 requests (launch thread, the GPU's default): batched-sequence,
 #                      the same with its decode kernel off (masked SDPA), and batched-cell
@@ -115,6 +117,7 @@ BF16_LAUNCH=(--pte bf16=.gpu/llama1b-bf16.pte.gz "${COMMON[@]}" --prompt 128 --g
 step graphs_off 180 "$PY" bench/gpu_decode.py "${BF16_LAUNCH[@]}" --pte-env MLX_USE_CUDA_GRAPHS=0
 step graphs_on 150 "$PY" bench/gpu_decode.py "${BF16_LAUNCH[@]}"
 step ops_per_graph 180 "$PY" bench/gpu_decode.py "${BF16_LAUNCH[@]}" --pte-env MLX_MAX_OPS_PER_BUFFER=250
+step encode 120 bash -c '"$@" && MLX_USE_CUDA_GRAPHS=0 "$@"' _ "$PY" bench/gpu_encode.py --site "$SITE"
 # pytest and hypothesis come as wheels in .whl/ with MLX's; --noconftest: the suite's fixtures need the
 # exporter; -P and append: the checkout's own mlx_pte/ (a shim) must not shadow the installed layout.
 step gpu_tests 120 env PYTHONPATH="$SITE:/tmp/gpu_decode/src" "$PY" -P -m pytest -q -p no:cacheprovider --noconftest \
