@@ -320,6 +320,28 @@ def load_without_rotary_pairs(pte: Path):
         program_module.rotate_heads_together = rewrite
 
 
+def load_with_vector_linears(pte: Path):
+    """The program with ``linear`` as it ran before its one-node GPU form: one row as
+    ``weight @ x`` (MLX wraps the vector in an expand_dims and a squeeze) between two
+    reshapes, more rows as ``x @ weight.T``."""
+    from mlx_pte.interpreter import handlers, program as program_module
+
+    def vector_linear(args, attrs, ctx):
+        x, weight, bias = args
+        if x.ndim and x.size == x.shape[-1]:
+            out = (weight @ x.reshape(-1)).reshape(*x.shape[:-1], weight.shape[0])
+        else:
+            out = x @ weight.T
+        return out if bias is None else out + bias
+
+    handler = handlers.HANDLERS["linear"]
+    handlers.HANDLERS["linear"] = vector_linear
+    try:
+        return program_module.load(pte)
+    finally:
+        handlers.HANDLERS["linear"] = handler
+
+
 def add_device_arguments(parser: argparse.ArgumentParser) -> None:
     """The options every device bench shares: checkpoint, wheels, folders, prompt length."""
     parser.add_argument("--group-size", type=int, default=64, help="mlx-lm's group size for q8/q4 (default 64)")
@@ -349,6 +371,9 @@ def main() -> None:
     parser.add_argument("--separate-rope", action="store_true",
                         help="add a row for mlx-pte captured with q and k rotated by a rope each (mlx-pte-rope2), "
                              "as before ir/rotary_pairs.py")
+    parser.add_argument("--vector-linear", action="store_true",
+                        help="add a row for mlx-pte on a launcher thread with linear as it ran before its "
+                             "one-node GPU form (mlx-pte-vec; load_with_vector_linears)")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="also print cProfile's top N entries of one mlx-pte generate (first --pte), per capture")
     parser.add_argument("--skip", action="append", default=[], choices=["mlx-pte", "mlx-lm", "hf", "hf-static"])
@@ -419,6 +444,9 @@ def main() -> None:
                     program, prompt, args.generate, capacity, True, "thread")
             if args.whole_step:
                 runners["mlx-pte-whole", label] = mlx_pte_whole_runner(program, prompt, args.generate, capacity)
+            if args.vector_linear:
+                runners["mlx-pte-vec", label] = mlx_pte_runner(
+                    load_with_vector_linears(pte), prompt, args.generate, capacity, True, "thread")
             if args.separate_rope:
                 runners["mlx-pte-rope2", label] = mlx_pte_runner(
                     load_without_rotary_pairs(pte), prompt, args.generate, capacity, True)

@@ -22,6 +22,8 @@
 #   decode_kernel.log  kinds_thread, and batched-sequence again with its CUDA decode kernel off (masked SDPA)
 #   rope_pairs.log     prompt 128, 128 generated, bf16 and q4: mlx-pte as loaded (q and k rotated together)
 #                      and with a rope each (--separate-rope), inline and on a thread, vs mlx-lm
+#   linear_forms.log   prompt 128, 128 generated, bf16 and q4, 9 rounds: mlx-pte inline, on a thread, and on a
+#                      thread with linear as before its one-node GPU form (mlx-pte-vec), vs mlx-lm
 #   encode.log         bench/gpu_encode.py: host us per graph node by kind (views, kernels, gemv), MLX's
 #                      defaults, then MLX_USE_CUDA_GRAPHS=0
 #   gpu_tests.log      the tests that run only on CUDA (tests/runtime/mlx/test_decode_attention.py), on the GPU
@@ -117,6 +119,8 @@ BF16_LAUNCH=(--pte bf16=.gpu/llama1b-bf16.pte.gz "${COMMON[@]}" --prompt 128 --g
 step graphs_off 180 "$PY" bench/gpu_decode.py "${BF16_LAUNCH[@]}" --pte-env MLX_USE_CUDA_GRAPHS=0
 step graphs_on 150 "$PY" bench/gpu_decode.py "${BF16_LAUNCH[@]}"
 step ops_per_graph 180 "$PY" bench/gpu_decode.py "${BF16_LAUNCH[@]}" --pte-env MLX_MAX_OPS_PER_BUFFER=250
+step linear_forms 240 "$PY" bench/gpu_decode.py "${PTES[@]}" "${COMMON[@]}" --prompt 128 --generate 128 \
+    --rounds 9 --capture on --threaded --vector-linear --skip hf --skip hf-static
 step encode 120 bash -c '"$@" && MLX_USE_CUDA_GRAPHS=0 "$@"' _ "$PY" bench/gpu_encode.py --site "$SITE"
 # pytest and hypothesis come as wheels in .whl/ with MLX's; --noconftest: the suite's fixtures need the
 # exporter; -P and append: the checkout's own mlx_pte/ (a shim) must not shadow the installed layout.

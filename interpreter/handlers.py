@@ -236,10 +236,16 @@ HANDLERS["matmul"] = on_operands(mx.matmul)
 @handles("linear")
 def _linear(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx.array:
     x, weight, bias = args
-    if x.ndim and x.size == x.shape[-1]:
+    transposed = attrs.get("weight_t")  # [1, in, out], a view of the weight made at load
+    if x.ndim and x.size == x.shape[-1] and mx.default_device().type == mx.DeviceType.cpu:
         # One row (decode): weight @ x runs as a BLAS gemv, ~30% faster on CPU than a
         # one-row gemm against the transposed weight.
         out = (weight @ x.reshape(-1)).reshape(*x.shape[:-1], weight.shape[0])
+    elif transposed is not None and x.ndim == 3 and x.shape[0] == 1:
+        # One graph node: x @ weight.T costs a transpose and MLX's flatten and unflatten
+        # around the matmul too, and a GPU step's host time grows with its nodes. The
+        # kernel is the same (a gemv for one row, else a GEMM over the weight's rows).
+        out = x @ transposed
     else:
         out = x @ weight.T
     return out if bias is None else out + bias

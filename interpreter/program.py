@@ -92,6 +92,23 @@ def _rope_forms(steps: list[PreparedStep], weights: Mapping[int, mx.array]) -> l
     return out
 
 
+def _linear_forms(steps: list[PreparedStep], weights: Mapping[int, mx.array]) -> list[PreparedStep]:
+    """Each ``linear`` step whose weight is a constant, with that weight as ``[1, in, out]``
+    (``weight_t``): a transposed view made and evaluated once here, sharing the weight's
+    memory, so a batch-1 ``x @ weight_t`` is one matmul node per call."""
+    forms: dict[int, mx.array] = {}
+    out = []
+    for step in steps:
+        slot = step.inputs[1] if step.op == "linear" else None
+        if slot is not None and slot in weights and weights[slot].ndim == 2:
+            if slot not in forms:
+                forms[slot] = mx.expand_dims(mx.transpose(weights[slot]), 0)
+            step = with_attrs(step, {"weight_t": forms[slot]})
+        out.append(step)
+    mx.eval(list(forms.values()))
+    return out
+
+
 def load_weight(raw: Union[bytes, memoryview], t: TensorType) -> mx.array:
     """A constant's stored bytes (sized for its type: the payload checks) as an MLX array."""
     array = mx.array(np.frombuffer(raw, dtype=_NP_STORAGE[t.dtype]).reshape(t.shape))
@@ -127,7 +144,7 @@ class Program:
         # stored bits) belongs to this thread's stream, which a launcher thread cannot encode.
         mx.eval(list(self.weights.values()))
         self.manifest = dict(manifest)
-        self.steps: list[PreparedStep] = _rope_forms(prepare(graph), self.weights)
+        self.steps: list[PreparedStep] = _linear_forms(_rope_forms(prepare(graph), self.weights), self.weights)
         self._host_ints = int_slots(graph)
         self._by_shape: dict[ShapeKey, list[PreparedStep]] = {}
         # Each run starts from this list of slot values: the weights in place, the rest empty.

@@ -4,12 +4,17 @@ tokens as an export with ``fused_projections=False``; a model with q/k/v and MLP
 matches eager HF (the oracle) at every prompt position."""
 from __future__ import annotations
 
+import re
+from types import SimpleNamespace
+
+import mlx.core as mx
 import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from mlx_pte.export.hf_export import export_hf
+from mlx_pte.interpreter import handlers
 from mlx_pte.interpreter.program import Program, load
 from mlx_pte.interpreter.session import Session
 from mlx_pte.ir.layers import layer_counts
@@ -74,6 +79,27 @@ def _prompt(path) -> list[int]:
 def test_a_llama_layer_runs_four_matmuls(exported, dtype, quantize):
     assert layer_counts(exported("llama", True, dtype, quantize).graph).matmuls == (4,)
     assert layer_counts(exported("llama", False).graph).matmuls == (7,)
+
+
+@pytest.mark.parametrize("tokens,device", [(1, "gpu"), (5, "cpu"), (5, "gpu")])
+def test_a_batch_one_linear_is_one_matmul_node(exported, monkeypatch, tmp_path, tokens, device):
+    """A GPU step's host time grows with its graph nodes; every linear of one sequence is
+    one matmul node (not a transpose, flatten and unflatten around it), equal to x @ W.T.
+    (One row on the CPU stays a BLAS gemv, which is faster there.)"""
+    program = exported("llama", True)
+    monkeypatch.setattr(handlers.mx, "default_device", lambda: SimpleNamespace(type=getattr(mx.DeviceType, device)))
+    linears = [step for step in program.steps if step.op == "linear" and step.inputs[1] in program.weights]
+    assert len(linears) >= 4
+    rng = np.random.default_rng(0)
+    for step in linears:
+        weight = program.weights[step.inputs[1]]
+        x = mx.array(rng.standard_normal((1, tokens, weight.shape[1]), dtype=np.float32))
+        out = step.handler([x, weight, None], step.attrs, None)
+        path = tmp_path / "linear.dot"
+        mx.export_to_dot(str(path), out)
+        assert re.findall(r'label ="(\w+)"', path.read_text()) == ["Matmul"]
+        expected = np.asarray(x, np.float64) @ np.asarray(weight, np.float64).T
+        np.testing.assert_allclose(np.asarray(out), expected, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("capture", [True, False], ids=["captured", "walked"])
