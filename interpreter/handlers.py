@@ -225,8 +225,11 @@ def _glu(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx.array:
     if len(args) > 1 and args[1] is not None:
         gate, up = args
     else:  # a fused gate/up projection: gate first, up last, padding between
-        width = attrs["width"]
-        gate, up = args[0][..., :width], args[0][..., -width:]
+        width, fused = attrs["width"], args[0]
+        # One split node (its parts are views), not a slice for each half.
+        bounds = [width] if fused.shape[-1] == 2 * width else [width, fused.shape[-1] - width]
+        parts = mx.split(fused, bounds, axis=-1)
+        gate, up = parts[0], parts[-1]
     return _GLU[attrs["activation"]](gate, up)
 
 # -- linear algebra and indexing -------------------------------------------------------
@@ -280,9 +283,33 @@ def _permute(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx.array:
     return mx.transpose(args[0], attrs["dims"])
 
 
+def keeps_order(shape: tuple[int, ...], dims: tuple[int, ...]) -> bool:
+    """Whether permuting axes of ``shape`` by ``dims`` moves only axes of size 1, so the
+    elements keep their order and a reshape gives the same array (a decode step's heads
+    swapping places with its one token). A GPU step's host time grows with its graph
+    nodes, and a reshape merges into the view beside it where a transpose cannot."""
+    moved = [d for d in dims if shape[d] != 1]
+    return moved == sorted(moved)
+
+
+def _resolved(shape: tuple[int, ...], size: int) -> tuple[int, ...]:
+    """``shape`` with its -1 (if any) worked out for ``size`` elements."""
+    if -1 not in shape:
+        return tuple(shape)
+    known = math.prod(n for n in shape if n != -1)
+    return tuple(size // known if n == -1 else n for n in shape)
+
+
+def _view_then_permute(x: mx.array, shape: tuple[int, ...], dims: tuple[int, ...]) -> mx.array:
+    viewed = _resolved(shape, x.size)
+    if keeps_order(viewed, dims):
+        return x.reshape([viewed[d] for d in dims])
+    return mx.transpose(x.reshape(viewed), dims)
+
+
 @handles("view_permute")
 def _view_permute(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx.array:
-    return mx.transpose(args[0].reshape(attrs["shape"]), attrs["dims"])
+    return _view_then_permute(args[0], attrs["shape"], attrs["dims"])
 
 
 @handles("split_heads")
@@ -292,8 +319,8 @@ def _split_heads(args: Args, attrs: dict[str, Any], ctx: RunContext) -> tuple[mx
     batch, tokens, width = x.shape
     if sum(heads) * dim != width:
         raise ValueError(f"heads {list(heads)} of {dim} do not tile the last axis of {width}")
-    # One reshape and one transpose for every part, then one split: the parts are views.
-    grouped = mx.transpose(x.reshape(batch, tokens, width // dim, dim), (0, 2, 1, 3))
+    # One view for every part, then one split: the parts are views.
+    grouped = _view_then_permute(x, (batch, tokens, width // dim, dim), (0, 2, 1, 3))
     bounds, total = [], 0
     for count in heads[:-1]:
         total += count
@@ -303,7 +330,8 @@ def _split_heads(args: Args, attrs: dict[str, Any], ctx: RunContext) -> tuple[mx
 
 @handles("permute_view")
 def _permute_view(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx.array:
-    return mx.transpose(args[0], attrs["dims"]).reshape(attrs["shape"])
+    x, dims = args[0], attrs["dims"]
+    return (x if keeps_order(x.shape, dims) else mx.transpose(x, dims)).reshape(attrs["shape"])
 
 
 def _along(x: mx.array, dim: int, index: Any) -> tuple:

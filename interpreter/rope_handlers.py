@@ -60,16 +60,19 @@ def rope_fast(x: mx.array, positions: mx.array, inv_freq: mx.array, seq_axis: in
     (``1 / inv_freq``) come from ``rope_form``, computed once at load; without either
     the reciprocal is taken here, on every call.
     """
-    tokens = mx.transpose(x, _TOKENS_FIRST[seq_axis])
+    # One token (decode) on axis 2 is already on the batch axis: no transposes.
+    moved = x.shape[seq_axis] != 1 or seq_axis != 2
+    tokens = mx.transpose(x, _TOKENS_FIRST[seq_axis]) if moved else x
     if table_scale != 1.0:
         tokens = tokens.astype(mx.float32)
     if base is None and freqs is None:
         freqs = mx.reciprocal(inv_freq)
+    offset = positions if positions.ndim == 1 else positions.reshape(-1)  # a reshape is a node
     out = mx.fast.rope(tokens, x.shape[-1], traditional=False, base=base, scale=1.0,
-                       offset=positions.reshape(-1), freqs=freqs)  # fmt: skip
+                       offset=offset, freqs=freqs)  # fmt: skip
     if table_scale != 1.0:
         out = (out * table_scale).astype(x.dtype)
-    return mx.transpose(out, _TOKENS_BACK[seq_axis])
+    return mx.transpose(out, _TOKENS_BACK[seq_axis]) if moved else out
 
 
 # How close (relative) ``inv_freq`` must be to the base form for the kernel to compute
