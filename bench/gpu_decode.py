@@ -100,18 +100,19 @@ def install_mlx(wheels: Path, target: Path) -> None:
     stamp.write_text(listing)
 
 
-def project_root(dest: Path) -> Path:
-    """A folder holding ``mlx_pte`` laid out as installed (symlinks into this checkout)."""
+def project_root(dest: Path, checkout: Path = REPO) -> Path:
+    """A folder holding ``mlx_pte`` laid out as installed (symlinks into ``checkout``)."""
     import tomllib
 
+    checkout = checkout.resolve()
     pkg = dest / "mlx_pte"
     if not pkg.exists():
-        shutil.copytree(REPO / "mlx_pte", pkg)
+        shutil.copytree(checkout / "mlx_pte", pkg)
         # The top-level folders pyproject's package-dir maps into the mlx_pte namespace.
-        package_dir = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+        package_dir = tomllib.loads((checkout / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
         for name, folder in package_dir.items():
             if name != "mlx_pte":
-                (pkg / name.removeprefix("mlx_pte.")).symlink_to(REPO / folder, target_is_directory=True)
+                (pkg / name.removeprefix("mlx_pte.")).symlink_to(checkout / folder, target_is_directory=True)
     return dest
 
 
@@ -387,7 +388,11 @@ def main() -> None:
     parser.add_argument("--pte-env", action="append", default=[], metavar="KEY=VALUE",
                         help="an MLX setting for mlx-pte only (repeatable): mlx-lm then runs in a process of its "
                              "own, without it")
+    parser.add_argument("--baseline", type=Path, metavar="CHECKOUT",
+                        help="add a row for mlx-pte from another checkout (e.g. before a change; mlx-pte-base), "
+                             "captured on a launcher thread, in a process of its own, interleaved with the rest")
     parser.add_argument("--serve-mlx-lm", metavar="LABEL", help=argparse.SUPPRESS)  # a --pte-env run's child
+    parser.add_argument("--serve-baseline", metavar="LABEL", help=argparse.SUPPRESS)  # a --baseline run's child
     parser.add_argument("--kinds", default="batched-sequence", metavar="KIND,KIND",
                         help="with --batches: mlx-pte cache kinds (batched-sequence, batched-cell; both also "
                              "print sequence / cell ratios)")
@@ -412,7 +417,9 @@ def main() -> None:
     args.work.mkdir(parents=True, exist_ok=True)
     if args.wheels:
         install_mlx(args.wheels, args.site)
-    sys.path[:0] = [str(args.site), str(project_root(args.work / "src"))]
+    source = project_root(args.work / "baseline", args.baseline) if args.serve_baseline else project_root(
+        args.work / "src")
+    sys.path[:0] = [str(args.site), str(source)]
     model_dir = make_checkpoint(args.hf_dir)  # imports torch, before MLX (as this script always ran)
     ptes = {label: gunzip(path, args.work) for label, path in labelled}
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
@@ -431,6 +438,11 @@ def main() -> None:
         return
     from mlx_pte import load
 
+    if args.serve_baseline:  # this process imported the other checkout's mlx_pte
+        serve(lambda: mlx_pte_runner(load(ptes[args.serve_baseline]), prompt, args.generate, capacity, True,
+                                     "thread"))
+        return
+
     captures = {"on": [True], "off": [False], "both": [True, False]}[args.capture]
     runners: dict[Key, Runner] = {}
     for label, pte in ptes.items():
@@ -447,6 +459,9 @@ def main() -> None:
             if args.vector_linear:
                 runners["mlx-pte-vec", label] = mlx_pte_runner(
                     load_with_vector_linears(pte), prompt, args.generate, capacity, True, "thread")
+            if args.baseline:
+                runners["mlx-pte-base", label] = PeerProcess(
+                    [__file__, *sys.argv[1:], "--serve-baseline", label], os.environ)
             if args.separate_rope:
                 runners["mlx-pte-rope2", label] = mlx_pte_runner(
                     load_without_rotary_pairs(pte), prompt, args.generate, capacity, True)

@@ -23,7 +23,8 @@
 #   rope_pairs.log     prompt 128, 128 generated, bf16 and q4: mlx-pte as loaded (q and k rotated together)
 #                      and with a rope each (--separate-rope), inline and on a thread, vs mlx-lm
 #   linear_forms.log   prompt 128, 128 generated, bf16 and q4, 9 rounds: mlx-pte inline, on a thread, and on a
-#                      thread with linear as before its one-node GPU form (mlx-pte-vec), vs mlx-lm
+#                      thread with linear as before its one-node GPU form (mlx-pte-vec), vs mlx-lm; with
+#                      BASELINE=CHECKOUT also mlx-pte from that checkout (mlx-pte-base)
 #   encode.log         bench/gpu_encode.py: host us per graph node by kind (views, kernels, gemv), MLX's
 #                      defaults, then MLX_USE_CUDA_GRAPHS=0
 #   gpu_tests.log      the tests that run only on CUDA (tests/runtime/mlx/test_decode_attention.py), on the GPU
@@ -120,7 +121,7 @@ step graphs_off 180 "$PY" bench/gpu_decode.py "${BF16_LAUNCH[@]}" --pte-env MLX_
 step graphs_on 150 "$PY" bench/gpu_decode.py "${BF16_LAUNCH[@]}"
 step ops_per_graph 180 "$PY" bench/gpu_decode.py "${BF16_LAUNCH[@]}" --pte-env MLX_MAX_OPS_PER_BUFFER=250
 step linear_forms 240 "$PY" bench/gpu_decode.py "${PTES[@]}" "${COMMON[@]}" --prompt 128 --generate 128 \
-    --rounds 9 --capture on --threaded --vector-linear --skip hf --skip hf-static
+    --rounds 9 --capture on --threaded --vector-linear ${BASELINE:+--baseline "$BASELINE"} --skip hf --skip hf-static
 step encode 120 bash -c '"$@" && MLX_USE_CUDA_GRAPHS=0 "$@"' _ "$PY" bench/gpu_encode.py --site "$SITE"
 # pytest and hypothesis come as wheels in .whl/ with MLX's; --noconftest: the suite's fixtures need the
 # exporter; -P and append: the checkout's own mlx_pte/ (a shim) must not shadow the installed layout.
