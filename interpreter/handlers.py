@@ -283,7 +283,7 @@ def _permute(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx.array:
     return mx.transpose(args[0], attrs["dims"])
 
 
-def keeps_order(shape: tuple[int, ...], dims: tuple[int, ...]) -> bool:
+def _keeps_order(shape: tuple[int, ...], dims: tuple[int, ...]) -> bool:
     """Whether permuting axes of ``shape`` by ``dims`` moves only axes of size 1, so the
     elements keep their order and a reshape gives the same array (a decode step's heads
     swapping places with its one token). A GPU step's host time grows with its graph
@@ -302,7 +302,7 @@ def _resolved(shape: tuple[int, ...], size: int) -> tuple[int, ...]:
 
 def _view_then_permute(x: mx.array, shape: tuple[int, ...], dims: tuple[int, ...]) -> mx.array:
     viewed = _resolved(shape, x.size)
-    if keeps_order(viewed, dims):
+    if _keeps_order(viewed, dims):
         return x.reshape([viewed[d] for d in dims])
     return mx.transpose(x.reshape(viewed), dims)
 
@@ -331,7 +331,7 @@ def _split_heads(args: Args, attrs: dict[str, Any], ctx: RunContext) -> tuple[mx
 @handles("permute_view")
 def _permute_view(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx.array:
     x, dims = args[0], attrs["dims"]
-    return (x if keeps_order(x.shape, dims) else mx.transpose(x, dims)).reshape(attrs["shape"])
+    return (x if _keeps_order(x.shape, dims) else mx.transpose(x, dims)).reshape(attrs["shape"])
 
 
 def _along(x: mx.array, dim: int, index: Any) -> tuple:
