@@ -14,7 +14,8 @@
 #   moe.log            bench/moe.py: Qwen3-30B-A3B layer shapes x 4 layers, B=1,8,32 vs mlx-lm (needs
 #                      .gpu/moe30-bf16.pte.gz, written by bench/moe.py --export-only: see its docstring)
 #   launch.log         prompt 128, 128 generated, bf16 and q4: mlx-pte launched inline and on a launcher
-#                      thread (--threaded) vs mlx-lm, 5 interleaved rounds
+#                      thread (--threaded) vs mlx-lm, 5 interleaved rounds; with BASELINE also mlx-pte
+#                      from that checkout (a folder, or a tar of one, e.g. `git archive REV | xz`)
 #   launch_batches.log --batches 8,32,64: batched-sequence launched inline and on a thread vs mlx-lm
 #   kinds_thread.log   kinds, both layouts launched on a thread
 #   moe_thread.log     moe, mlx-pte launched on a thread
@@ -53,6 +54,9 @@ PTES=(--pte bf16=.gpu/llama1b-bf16.pte.gz --pte q4=.gpu/llama1b-q4.pte.gz)
 COMMON=(--hf-dir "$HF" --site "$SITE" --work /tmp/gpu_decode)
 
 STEPS=${STEPS:-decode_p128 decode_p2048 profile gemv batches decode_whole}
+if [[ "${BASELINE:-}" == *.tar* ]]; then  # a packed checkout (smaller to carry to the device)
+    mkdir -p /tmp/baseline && tar -xf "$BASELINE" -C /tmp/baseline && BASELINE=/tmp/baseline
+fi
 
 step() {  # name, seconds, command...
     local name=$1 seconds=$2; shift 2
@@ -98,8 +102,8 @@ step kinds 240 "$PY" bench/gpu_decode.py --pte bf16=.gpu/llama1b-bf16.pte.gz "${
 step kv_write 60 "$PY" bench/kv_write.py --site "$SITE"
 step moe 300 "$PY" bench/moe.py --shape 30b-a3b --layers 4 --hf-dir /tmp/moe30 --pte .gpu/moe30-bf16.pte.gz \
     --dtype bfloat16 --site "$SITE" --work /tmp/bench_moe --batches 1,8,32
-step launch 180 "$PY" bench/gpu_decode.py "${PTES[@]}" "${COMMON[@]}" --prompt 128 --generate 128 \
-    --rounds 5 --capture on --threaded --skip hf --skip hf-static
+step launch 240 "$PY" bench/gpu_decode.py "${PTES[@]}" "${COMMON[@]}" --prompt 128 --generate 128 \
+    --rounds 5 --capture on --threaded ${BASELINE:+--baseline "$BASELINE"} --skip hf --skip hf-static
 step launch_batches 240 "$PY" bench/gpu_decode.py --pte bf16=.gpu/llama1b-bf16.pte.gz "${COMMON[@]}" --prompt 128 \
     --generate 64 --batches 8,32,64 --launch inline,thread
 step kinds_thread 240 "$PY" bench/gpu_decode.py --pte bf16=.gpu/llama1b-bf16.pte.gz "${COMMON[@]}" --prompt 128 \
