@@ -63,11 +63,7 @@ def _split_heads(args: Args, attrs: dict[str, Any], ctx: RunContext) -> tuple[mx
         raise ValueError(f"heads {list(heads)} of {dim} do not tile the last axis of {width}")
     # One view for every part, then one split: the parts are views.
     grouped = _view_then_permute(x, (batch, tokens, width // dim, dim), (0, 2, 1, 3))
-    bounds, total = [], 0
-    for count in heads[:-1]:
-        total += count
-        bounds.append(total)
-    return tuple(mx.split(grouped, bounds, axis=1))
+    return tuple(mx.split(grouped, list(accumulate(heads[:-1])), axis=1))
 
 
 @handles("permute_view")

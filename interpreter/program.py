@@ -9,7 +9,7 @@ shape already seen runs steps specialised to it, with no attribute left to resol
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import numpy as np
 
@@ -77,35 +77,39 @@ def _positions_only(graph: Graph) -> frozenset[int]:
     )  # fmt: skip
 
 
-def _rope_forms(steps: list[PreparedStep], weights: Mapping[int, mx.array]) -> list[PreparedStep]:
-    """Each ``rope`` step whose frequencies are a weight, with the fused kernel's form of
-    them (``rope_form``: the base, or the reciprocals) worked out here once, not per call."""
-    forms: dict[int, dict[str, Any]] = {}
+def _linear_form(weight: mx.array) -> Optional[dict[str, Any]]:
+    """``linear``'s weight as ``[1, in, out]`` (``weight_t``): a transposed view sharing the
+    weight's memory, so a batch-1 ``x @ weight_t`` is one matmul node per call."""
+    if weight.ndim != 2:
+        return None
+    transposed = mx.expand_dims(mx.transpose(weight), 0)
+    mx.eval(transposed)
+    return {"weight_t": transposed}
+
+
+# op -> (the operand that may be a weight, the attributes worked out from it once at load,
+# not per call): the fused rope's form of its frequencies (the base, or the reciprocals),
+# and linear's transposed weight.
+_WEIGHT_FORMS: dict[str, tuple[int, Callable[[mx.array], Optional[dict[str, Any]]]]] = {
+    "rope": (2, rope_form),
+    "linear": (1, _linear_form),
+}
+
+
+def _weight_forms(steps: list[PreparedStep], weights: Mapping[int, mx.array]) -> list[PreparedStep]:
+    """Each step of a ``_WEIGHT_FORMS`` op whose operand is a weight, with the attributes
+    worked out from that weight (once per weight, however many steps read it)."""
+    forms: dict[tuple[str, int], Optional[dict[str, Any]]] = {}
     out = []
     for step in steps:
-        slot = step.inputs[2] if step.op == "rope" else None
+        operand, form = _WEIGHT_FORMS.get(step.op, (None, None))
+        slot = None if operand is None else step.inputs[operand]
         if slot is not None and slot in weights:
-            if slot not in forms:
-                forms[slot] = rope_form(weights[slot])
-            step = with_attrs(step, forms[slot])
+            if (step.op, slot) not in forms:
+                forms[step.op, slot] = form(weights[slot])
+            if forms[step.op, slot] is not None:
+                step = with_attrs(step, forms[step.op, slot])
         out.append(step)
-    return out
-
-
-def _linear_forms(steps: list[PreparedStep], weights: Mapping[int, mx.array]) -> list[PreparedStep]:
-    """Each ``linear`` step whose weight is a constant, with that weight as ``[1, in, out]``
-    (``weight_t``): a transposed view made and evaluated once here, sharing the weight's
-    memory, so a batch-1 ``x @ weight_t`` is one matmul node per call."""
-    forms: dict[int, mx.array] = {}
-    out = []
-    for step in steps:
-        slot = step.inputs[1] if step.op == "linear" else None
-        if slot is not None and slot in weights and weights[slot].ndim == 2:
-            if slot not in forms:
-                forms[slot] = mx.expand_dims(mx.transpose(weights[slot]), 0)
-            step = with_attrs(step, {"weight_t": forms[slot]})
-        out.append(step)
-    mx.eval(list(forms.values()))
     return out
 
 
@@ -144,7 +148,7 @@ class Program:
         # stored bits) belongs to this thread's stream, which a launcher thread cannot encode.
         mx.eval(list(self.weights.values()))
         self.manifest = dict(manifest)
-        self.steps: list[PreparedStep] = _linear_forms(_rope_forms(prepare(graph), self.weights), self.weights)
+        self.steps: list[PreparedStep] = _weight_forms(prepare(graph), self.weights)
         self._host_ints = int_slots(graph)
         self._by_shape: dict[ShapeKey, list[PreparedStep]] = {}
         # Each run starts from this list of slot values: the weights in place, the rest empty.
