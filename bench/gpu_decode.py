@@ -343,6 +343,20 @@ def load_with_vector_linears(pte: Path):
         handlers.HANDLERS["linear"] = handler
 
 
+def without_kernels_runner(pte: Path, prompt: list[int], n: int, capacity: int, switch: str) -> Runner:
+    """mlx-pte on a launcher thread with ``runtime/mlx/gemv.py``'s ``switch`` off ("enabled":
+    MLX's ops for one-row linears and the norms before them; "norm_enabled": the fused
+    norms only): a program of its own, whose segments are compiled (at warm-up) that way."""
+    from mlx_pte import load
+    from mlx_pte.runtime.mlx import gemv
+
+    setattr(gemv, switch, False)
+    try:
+        return mlx_pte_runner(load(pte), prompt, n, capacity, True, "thread")
+    finally:
+        setattr(gemv, switch, True)
+
+
 def add_device_arguments(parser: argparse.ArgumentParser) -> None:
     """The options every device bench shares: checkpoint, wheels, folders, prompt length."""
     parser.add_argument("--group-size", type=int, default=64, help="mlx-lm's group size for q8/q4 (default 64)")
@@ -375,6 +389,10 @@ def main() -> None:
     parser.add_argument("--vector-linear", action="store_true",
                         help="add a row for mlx-pte on a launcher thread with linear as it ran before its "
                              "one-node GPU form (mlx-pte-vec; load_with_vector_linears)")
+    parser.add_argument("--mlx-gemv", action="store_true",
+                        help="add rows for mlx-pte on a launcher thread with MLX's ops for one-row linears and "
+                             "the norms before them, not runtime/mlx/gemv.py's kernels (mlx-pte-mlxgemv), and "
+                             "with its gemv but not its fused norm (mlx-pte-nonorm)")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="also print cProfile's top N entries of one mlx-pte generate (first --pte), per capture")
     parser.add_argument("--skip", action="append", default=[], choices=["mlx-pte", "mlx-lm", "hf", "hf-static"])
@@ -459,6 +477,9 @@ def main() -> None:
             if args.vector_linear:
                 runners["mlx-pte-vec", label] = mlx_pte_runner(
                     load_with_vector_linears(pte), prompt, args.generate, capacity, True, "thread")
+            if args.mlx_gemv and bits_of(label) is None:  # quantized linears take MLX's kernels
+                for row, switch in (("mlx-pte-mlxgemv", "enabled"), ("mlx-pte-nonorm", "norm_enabled")):
+                    runners[row, label] = without_kernels_runner(pte, prompt, args.generate, capacity, switch)
             if args.baseline:
                 runners["mlx-pte-base", label] = PeerProcess(
                     [__file__, *sys.argv[1:], "--serve-baseline", label], os.environ)

@@ -6,7 +6,8 @@ figures say which nodes are worth removing from it (views such as reshape, or ke
     python3 bench/gpu_encode.py --wheels .whl [--nodes 400] [--repeats 30]
 
 Kinds: ``reshape`` / ``expand_squeeze`` / ``transpose`` / ``slice`` (views: no kernel),
-``add`` (one elementwise kernel each), ``gemv`` (a [1, 256] @ [256, 256].T bf16 each),
+``add`` (one elementwise kernel each), ``gemv`` (a [1, 256] @ [256, 256].T bf16 each; ``kernel_gemv``
+the same through ``runtime/mlx/gemv.py``'s custom kernel),
 ``slice_update`` (a one-row write at a static offset each), ``compiled`` (an ``mx.compile``d
 silu-multiply: one fused kernel), and the fast ops a decode layer issues: ``rms_norm``,
 ``rope`` (offsets in an array) and ``sdpa`` (one query over 128 keys). Each eval ends the chain
@@ -23,7 +24,7 @@ from pathlib import Path
 from typing import Callable
 
 
-def chains(mx) -> dict[str, Callable]:
+def chains(mx, kernel_gemv: Callable) -> dict[str, Callable]:
     """Each kind: ``(state, n) -> array``, a chain of n nodes of that kind."""
     def reshape(s, n):
         y = s["x"]
@@ -61,6 +62,12 @@ def chains(mx) -> dict[str, Callable]:
             y = y @ s["w"].T
         return y
 
+    def kernel_gemv_(s, n):
+        y = s["row"]
+        for _ in range(n):
+            y = kernel_gemv(y, s["w"])
+        return y
+
     def slice_update(s, n):
         pool = mx.array(s["pool"])  # a new node over the same data: __setitem__ rebinds it
         for i in range(n):
@@ -94,7 +101,8 @@ def chains(mx) -> dict[str, Callable]:
         return y
 
     return {"reshape": reshape, "expand_squeeze": expand_squeeze, "transpose": transpose,
-            "slice": slice_, "add": add, "gemv": gemv, "slice_update": slice_update,
+            "slice": slice_, "add": add, "gemv": gemv,
+            "kernel_gemv": kernel_gemv_, "slice_update": slice_update,
             "compiled": compiled, "rms_norm": rms_norm, "rope": rope, "sdpa": sdpa}
 
 
@@ -102,15 +110,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--wheels", type=Path, help="install MLX from these wheels (cuda.part.NN, mlx) first")
     parser.add_argument("--site", type=Path, default=Path("/tmp/site"))
+    parser.add_argument("--work", type=Path, default=Path("/tmp/gpu_decode"), help="scratch folder")
     parser.add_argument("--nodes", type=int, default=400, help="nodes per chain")
     parser.add_argument("--repeats", type=int, default=30, help="timed chains per kind (median)")
     args = parser.parse_args()
-    if args.wheels:
-        from gpu_decode import install_mlx
+    from gpu_decode import install_mlx, project_root
 
+    if args.wheels:
         install_mlx(args.wheels, args.site)
-    sys.path.insert(0, str(args.site))
+    sys.path[:0] = [str(args.site), str(project_root(args.work / "src"))]
+    import mlx_pte.runtime.mlx.blas  # noqa: F401  (before mlx.core)
     import mlx.core as mx
+
+    from mlx_pte.runtime.mlx.gemv import gemv
 
     state = {"x": mx.ones((256,), mx.bfloat16), "m": mx.ones((16, 16), mx.bfloat16),
              "row": mx.ones((1, 256), mx.bfloat16), "w": mx.ones((256, 256), mx.bfloat16),
@@ -121,7 +133,7 @@ def main() -> None:
     print(f"MLX {mx.__version__} on {mx.default_device()}; {args.nodes} nodes a chain, "
           f"median of {args.repeats}")
     print(f"  {'kind':<16} {'build us/node':>14} {'eval us/node':>13}")
-    for kind, chain in chains(mx).items():
+    for kind, chain in chains(mx, gemv).items():
         builds, evals = [], []
         for repeat in range(args.repeats + 3):
             t0 = time.perf_counter()

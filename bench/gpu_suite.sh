@@ -6,7 +6,8 @@
 #   profile_b8.log     the same per decode step of 8 requests on batched-sequence, bf16 (mlx-lm's
 #                      BatchGenerator under the profiler ended in a segfault, so it is skipped)
 #   profile_b8_cell.log  the same for batched-cell
-#   gemv.log           bench/gpu_gemv.py: GEMV GB/s at the model's shapes, custom kernel, cuBLAS, q4
+#   gemv.log           bench/gpu_gemv.py: GEMV GB/s at the model's shapes, MLX's, runtime/mlx/gemv.py's kernel
+#                      at several tilings, cuBLAS, q4
 #   batches.log        --batches 8,32,64: batched-sequence vs mlx-lm's BatchGenerator, bf16
 #   decode_whole.log   segments (today's capture) vs the whole step as one compiled function, bf16
 #   kinds.log          --batches 8,32,64 on both batched layouts (sequence vs cell) and mlx-lm, bf16
@@ -28,7 +29,11 @@
 #                      BASELINE=CHECKOUT also mlx-pte from that checkout (mlx-pte-base)
 #   encode.log         bench/gpu_encode.py: host us per graph node by kind (views, kernels, gemv), MLX's
 #                      defaults, then MLX_USE_CUDA_GRAPHS=0
-#   gpu_tests.log      the tests that run only on CUDA (tests/runtime/mlx/test_decode_attention.py), on the GPU
+#   gemv_forms.log     prompt 128, 128 generated, bf16 and q4, 9 rounds: mlx-pte inline, on a thread, and on a
+#                      thread with MLX's gemv for one-row linears (mlx-pte-mlxgemv), vs mlx-lm; with
+#                      BASELINE=CHECKOUT also mlx-pte from that checkout (mlx-pte-base)
+#   gpu_tests.log      the tests that run only on CUDA (tests/runtime/mlx/test_decode_attention.py,
+#                      test_gemv.py; GPU_TESTS=FILES for some), on the GPU
 #   profile_b64.log    per decode step of 64 requests (launch thread, the GPU's default): batched-sequence,
 #                      the same with its decode kernel off (masked SDPA), and batched-cell
 #   graphs_off.log     prompt 128, 128 generated, bf16: mlx-pte inline and on a thread with MLX_USE_CUDA_GRAPHS=0
@@ -92,7 +97,7 @@ step profile_b8 120 "$PY" bench/gpu_profile.py --pte bf16=.gpu/llama1b-bf16.pte.
     --generate 32 --batch 8 --top 24 --skip mlx-lm
 step profile_b8_cell 90 "$PY" bench/gpu_profile.py --pte bf16=.gpu/llama1b-bf16.pte.gz "${COMMON[@]}" --prompt 128 \
     --generate 32 --batch 8 --top 24 --kind batched-cell --skip mlx-lm
-step gemv 60 "$PY" bench/gpu_gemv.py --site "$SITE" --custom --torch --q4
+step gemv 90 "$PY" bench/gpu_gemv.py --site "$SITE" --torch --q4
 step batches 90 "$PY" bench/gpu_decode.py --pte bf16=.gpu/llama1b-bf16.pte.gz "${COMMON[@]}" --prompt 128 \
     --generate 64 --batches 8,32,64
 step decode_whole 75 "$PY" bench/gpu_decode.py --pte bf16=.gpu/llama1b-bf16.pte.gz "${COMMON[@]}" --prompt 128 \
@@ -126,10 +131,12 @@ step graphs_on 150 "$PY" bench/gpu_decode.py "${BF16_LAUNCH[@]}"
 step ops_per_graph 180 "$PY" bench/gpu_decode.py "${BF16_LAUNCH[@]}" --pte-env MLX_MAX_OPS_PER_BUFFER=250
 step linear_forms 240 "$PY" bench/gpu_decode.py "${PTES[@]}" "${COMMON[@]}" --prompt 128 --generate 128 \
     --rounds 9 --capture on --threaded --vector-linear ${BASELINE:+--baseline "$BASELINE"} --skip hf --skip hf-static
+step gemv_forms 300 "$PY" bench/gpu_decode.py "${PTES[@]}" "${COMMON[@]}" --prompt 128 --generate 128 \
+    --rounds 9 --capture on --threaded --mlx-gemv ${BASELINE:+--baseline "$BASELINE"} --skip hf --skip hf-static
 step encode 120 bash -c '"$@" && MLX_USE_CUDA_GRAPHS=0 "$@"' _ "$PY" bench/gpu_encode.py --site "$SITE"
 # pytest and hypothesis come as wheels in .whl/ with MLX's; --noconftest: the suite's fixtures need the
 # exporter; -P and append: the checkout's own mlx_pte/ (a shim) must not shadow the installed layout.
 step gpu_tests 360 env PYTHONPATH="$SITE:/tmp/gpu_decode/src" "$PY" -P -m pytest -q -p no:cacheprovider --noconftest \
     --import-mode=append \
-    tests/runtime/mlx/test_decode_attention.py
+    ${GPU_TESTS:-tests/runtime/mlx/test_gemv.py tests/runtime/mlx/test_decode_attention.py}
 grep -h -A3 "median of per-round" "$OUT"/decode_*.log

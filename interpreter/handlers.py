@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from mlx_pte.runtime.mlx.bootstrap import mx
+from mlx_pte.runtime.mlx import gemv
 
 from mlx_pte.ir.catalog import CATALOG
 
@@ -243,6 +244,10 @@ def _linear(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx.array:
         # One row (decode): weight @ x runs as a BLAS gemv, ~30% faster on CPU than a
         # one-row gemm against the transposed weight.
         out = (weight @ x.reshape(-1)).reshape(*x.shape[:-1], weight.shape[0])
+    elif gemv.available(x, weight):
+        # One row on CUDA: a kernel that reads the weight nearer the memory's bandwidth
+        # than MLX's gemv (runtime/mlx/gemv.py), and still one graph node.
+        out = gemv.gemv(x, weight)
     elif transposed is not None and x.ndim == 3 and x.shape[0] == 1:
         # One graph node: x @ weight.T costs a transpose and MLX's flatten and unflatten
         # around the matmul too, and a GPU step's host time grows with its nodes. The
@@ -251,6 +256,25 @@ def _linear(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx.array:
     else:
         out = x @ weight.T
     return out if bias is None else out + bias
+
+
+@handles("rms_norm_linear")
+def _rms_norm_linear(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx.array:
+    x, norm_weight, weight, bias = args
+    if gemv.norm_available(x, norm_weight, weight):
+        out, _ = gemv.norm_gemv(x, norm_weight, attrs["eps"], weight)
+        return out if bias is None else out + bias
+    return _linear([_rms_norm([x, norm_weight], attrs, ctx), weight, bias], attrs, ctx)
+
+
+@handles("add_rms_norm_linear")
+def _add_rms_norm_linear(args: Args, attrs: dict[str, Any], ctx: RunContext) -> tuple[mx.array, mx.array]:
+    a, b, norm_weight, weight, bias = args
+    if a.shape == b.shape and gemv.norm_available(a, norm_weight, weight, residual=b):
+        out, total = gemv.norm_gemv(a, norm_weight, attrs["eps"], weight, residual=b)
+        return (out if bias is None else out + bias), total
+    total = a + b
+    return _rms_norm_linear([total, norm_weight, weight, bias], attrs, ctx), total
 
 
 @handles("embedding")

@@ -20,6 +20,7 @@ from mlx_pte.ir.errors import FormatError
 from mlx_pte.ir.graph import Graph, SymDim, TensorType
 from mlx_pte.ir.payload import Payload
 from mlx_pte.ir.pte import read_pte
+from mlx_pte.ir.norm_linears import fuse_norm_linears
 from mlx_pte.ir.rotary_pairs import rotate_heads_together
 from mlx_pte.ir.upstream.importer import ImportedPayload
 
@@ -89,10 +90,12 @@ def _linear_form(weight: mx.array) -> Optional[dict[str, Any]]:
 
 # op -> (the operand that may be a weight, the attributes worked out from it once at load,
 # not per call): the fused rope's form of its frequencies (the base, or the reciprocals),
-# and linear's transposed weight.
+# and the transposed weight of linear and of the norms fused into one.
 _WEIGHT_FORMS: dict[str, tuple[int, Callable[[mx.array], Optional[dict[str, Any]]]]] = {
     "rope": (2, rope_form),
     "linear": (1, _linear_form),
+    "rms_norm_linear": (2, _linear_form),
+    "add_rms_norm_linear": (3, _linear_form),
 }
 
 
@@ -140,9 +143,10 @@ class Program:
             raise FormatError(f"the program has no data for weights {missing}; export it again")
         check_kernels(graph)
         self.graph = graph  # as the file (or this rank's shard of it) has it
-        # What runs: the same with the load-time rewrites (q's and k's rotations as one op);
+        # What runs: the same with the load-time rewrites (q's and k's rotations as one op,
+        # a norm and the linear reading it as one);
         # its slots are the file's, then the ones the rewrites add.
-        self.run_graph = graph = rotate_heads_together(graph)
+        self.run_graph = graph = fuse_norm_linears(rotate_heads_together(graph))
         self.weights = dict(weights)
         # Evaluated here, on the loading thread: a lazy weight (a bfloat16 view of its
         # stored bits) belongs to this thread's stream, which a launcher thread cannot encode.

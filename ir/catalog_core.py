@@ -368,3 +368,25 @@ define(
         "(MLX: mx.distributed.all_sum(x, group=group))",
     )
 )
+
+# Norms fused into the linear that reads them: never written by the exporter; the loader
+# merges an rms_norm read only by one linear (and the residual add it normalizes, whose
+# sum stays a result for the layer's later reads) into one op (``ir.norm_linears``), which
+# a GPU runs as one kernel.
+define(
+    OpSpec(
+        "rms_norm_linear",
+        ("x", "norm_weight", "weight", "bias?"),
+        _attrs(("eps", "float")),
+        output_rule="linear(rms_norm(x, norm_weight, eps), weight, bias), by those ops' rules",
+    )
+)
+define(
+    OpSpec(
+        "add_rms_norm_linear",
+        ("a", "b", "norm_weight", "weight", "bias?"),
+        _attrs(("eps", "float")),
+        n_outputs=2,
+        output_rule="(linear(rms_norm(a + b, norm_weight, eps), weight, bias), a + b), by those ops' rules",
+    )
+)

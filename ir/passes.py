@@ -304,6 +304,17 @@ def readers_of(instructions: list[Instruction]) -> dict[int, list[Instruction]]:
     return readers
 
 
+def with_replacements(graph: Graph, replaced: Mapping[int, list[Instruction]]) -> Graph:
+    """``graph`` with each instruction whose ``id`` is a key of ``replaced`` replaced, in
+    place, by that key's list (empty: removed); ``graph`` itself when there are none."""
+    if not replaced:
+        return graph
+    instructions = []
+    for instr in graph.instructions:
+        instructions.extend(replaced.get(id(instr), [instr]))
+    return replace(graph, instructions=instructions)
+
+
 def _readers(graph: Graph, instructions: list[Instruction]) -> dict[int, int]:
     """How many operand (and size-attribute) reads each slot has."""
     count: dict[int, int] = {}

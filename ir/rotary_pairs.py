@@ -17,7 +17,7 @@ from typing import Optional
 
 from .catalog import lookup
 from .graph import Graph, Instruction, SlotKind, TensorType
-from .passes import readers_of
+from .passes import readers_of, with_replacements
 
 
 def rotate_heads_together(graph: Graph) -> Graph:
@@ -29,12 +29,7 @@ def rotate_heads_together(graph: Graph) -> Graph:
     for instr in graph.instructions:
         if instr.op == "split_heads":
             replaced.update(_merge_rotated_pair(graph, instr, readers))
-    if not replaced:
-        return graph
-    instructions = []
-    for instr in graph.instructions:
-        instructions.extend(replaced.get(id(instr), [instr]))
-    return replace(graph, instructions=instructions)
+    return with_replacements(graph, replaced)
 
 
 def _merge_rotated_pair(graph: Graph, split: Instruction, readers: dict[int, list[Instruction]]

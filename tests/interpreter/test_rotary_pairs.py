@@ -15,18 +15,16 @@ import numpy as np
 import pytest
 
 import mlx_pte.runtime.mlx.blas  # noqa: F401  (before mlx.core)
-import mlx.core as mx
 
 from mlx_pte.interpreter import program as program_module
 from mlx_pte.interpreter.program import load
-from mlx_pte.interpreter.session import Session
 from mlx_pte.ir.catalog import validate_graph
 from mlx_pte.ir.graph import UNTYPED_TENSOR, SlotKind, TensorType
 from mlx_pte.ir.pte import read_pte
 from mlx_pte.ir.rotary_pairs import rotate_heads_together
 from tests.fixtures.exported import exported_pte
+from tests.interpreter.session_logits import logits_of
 
-PROMPT = [3, 17, 5, 9, 11, 2, 30, 8, 1, 4]
 
 
 def ops(graph) -> list[str]:
@@ -36,15 +34,6 @@ def ops(graph) -> list[str]:
 @pytest.fixture(scope="module")
 def llama_pte(tmp_path_factory, tiny_checkpoint):
     return exported_pte(tmp_path_factory, tiny_checkpoint, "llama")
-
-
-def logits_of(program, capture: bool) -> np.ndarray:
-    """Logits of a prefill of PROMPT then three decode steps, stacked."""
-    session = Session(program, capacity=32, capture=capture)
-    out = [np.array(session.forward(PROMPT, rows=range(len(PROMPT))).astype(mx.float32))]
-    for token in (7, 12, 6):
-        out.append(np.array(session.forward([token]).astype(mx.float32)))
-    return np.concatenate([o.reshape(-1, o.shape[-1]) for o in out])
 
 
 def test_a_fused_projection_llama_rotates_once_per_layer(llama_pte):

@@ -1,0 +1,155 @@
+"""The CUDA GEMV kernel (``runtime/mlx/gemv.py``) and the linear that takes it.
+
+The kernel runs only where MLX runs on CUDA; there (``bench/gpu_suite.sh`` step
+``gpu_tests``) its cases compare it with a float64 product in numpy over every tiling the
+bench sweeps, each dtype, row lengths that do and do not fill a 16-byte load, and weights
+that are strided views (a transposed or sliced weight takes the strided loop). Everywhere,
+the cases check which linears hand it their rows.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import mlx_pte.runtime.mlx.blas  # noqa: F401  (before mlx.core)
+import mlx.core as mx
+
+from mlx_pte.interpreter.handlers import HANDLERS, RunContext
+from mlx_pte.runtime.mlx import gemv
+
+ON_CUDA = mx.cuda.is_available() and mx.default_device() == mx.gpu
+cuda_only = pytest.mark.skipif(not ON_CUDA, reason="the kernel runs on CUDA only")
+
+# Relative to the largest |y|: float32 accumulates in a different order than numpy; the
+# half types also round the result to their 8 or 11 mantissa bits.
+TOLERANCE = {mx.float32: 1e-5, mx.float16: 2e-3, mx.bfloat16: 1e-2}
+TILINGS = [gemv.Tiling(8, 1, 4), gemv.Tiling(4, 2, 4), gemv.Tiling(8, 1, 8), gemv.Tiling(4, 1, 2)]
+
+
+def oracle(x: mx.array, weight: mx.array) -> np.ndarray:
+    """x @ weight.T in float64, from the values as stored."""
+    as64 = lambda a: np.array(a.astype(mx.float32), dtype=np.float64)  # noqa: E731
+    return as64(x) @ as64(weight).T
+
+
+def assert_close(got: mx.array, x: mx.array, weight: mx.array) -> None:
+    want = oracle(x, weight)
+    assert got.shape == want.shape and got.dtype == x.dtype
+    scale = max(float(np.abs(want).max()), 1.0)
+    error = float(np.abs(np.array(got.astype(mx.float32), dtype=np.float64) - want).max())
+    assert error <= TOLERANCE[x.dtype] * scale, (error, scale)
+
+
+def test_the_kernel_stays_off_the_cpu():
+    x, weight = mx.ones((1, 1, 64)), mx.ones((32, 64))
+    with mx.stream(mx.cpu):
+        assert not gemv.available(x, weight)
+
+
+def test_only_one_row_of_a_matching_dtype_is_taken(monkeypatch):
+    # As on a GPU wherever this runs: then only the operands decide.
+    monkeypatch.setattr(gemv, "_ON_CUDA", True)
+    monkeypatch.setattr(gemv.mx, "default_device", lambda: mx.gpu)
+    weight = mx.ones((32, 64), mx.bfloat16)
+    assert gemv.available(mx.ones((1, 1, 64), mx.bfloat16), weight)
+    assert gemv.available(mx.ones((64,), mx.bfloat16), weight)
+    assert not gemv.available(mx.ones((1, 2, 64), mx.bfloat16), weight)  # two rows: a GEMM
+    assert not gemv.available(mx.ones((1, 1, 64), mx.float32), weight)  # mixed dtypes
+    assert not gemv.available(mx.ones((1, 1, 64), mx.int32), mx.ones((32, 64), mx.int32))
+    assert not gemv.available(mx.ones((1, 1, 64), mx.bfloat16), mx.ones((2, 32, 64), mx.bfloat16))
+    assert not gemv.available(mx.ones((1, 1, 32), mx.bfloat16), weight)  # lengths differ
+    monkeypatch.setattr(gemv, "enabled", False)
+    assert not gemv.available(mx.ones((1, 1, 64), mx.bfloat16), weight)
+
+
+@cuda_only
+@pytest.mark.parametrize("tiling", TILINGS, ids=str)
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16, mx.float32], ids=str)
+@pytest.mark.parametrize("out_features,in_features", [(3072, 2048), (2048, 8192), (37, 264), (5, 8), (9, 100)])
+def test_kernel_matches_float64(tiling, dtype, out_features, in_features):
+    key = mx.random.key(out_features * 7 + in_features)
+    kx, kw = mx.random.split(key)
+    x = mx.random.normal((1, 1, in_features), key=kx).astype(dtype)
+    weight = mx.random.normal((out_features, in_features), key=kw).astype(dtype)
+    assert_close(gemv.gemv(x, weight, tiling), x, weight)
+
+
+@cuda_only
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(out_features=st.integers(1, 300), in_features=st.integers(1, 600), form=st.sampled_from(
+    ["contiguous", "transposed", "column_slice", "row_slice", "strided_x"]),
+    tiling=st.sampled_from(TILINGS), dtype=st.sampled_from([mx.bfloat16, mx.float32]))
+def test_strided_weights_and_rows_match_float64(out_features, in_features, form, tiling, dtype):
+    rng = np.random.default_rng(out_features * 1000 + in_features)
+    base = mx.array(rng.standard_normal((out_features + 3, in_features + 5)).astype(np.float32)).astype(dtype)
+    x = mx.array(rng.standard_normal((1, in_features)).astype(np.float32)).astype(dtype)
+    weight = {
+        "contiguous": base[:out_features, :in_features],
+        "transposed": mx.array(rng.standard_normal((in_features, out_features)).astype(np.float32)).astype(dtype).T,
+        "column_slice": base[:out_features, 5:],  # rows start 5 elements in: no 16-byte loads
+        "row_slice": base[3:, :in_features],
+        "strided_x": base[:out_features, :in_features],
+    }[form]
+    if form == "strided_x":
+        x = mx.array(rng.standard_normal((1, 2 * in_features)).astype(np.float32)).astype(dtype)[:, ::2]
+    assert_close(gemv.gemv(x, weight, tiling), x, weight)
+
+
+@cuda_only
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_linear_handler_takes_the_kernel_for_one_row(bias, monkeypatch):
+    rng = np.random.default_rng(3)
+    x = mx.array(rng.standard_normal((1, 1, 256)).astype(np.float32)).astype(mx.bfloat16)
+    weight = mx.array(rng.standard_normal((384, 256)).astype(np.float32)).astype(mx.bfloat16)
+    b = mx.array(rng.standard_normal((384,)).astype(np.float32)).astype(mx.bfloat16) if bias else None
+    calls = []
+    kernel = gemv.gemv
+    monkeypatch.setattr(gemv, "gemv", lambda *a, **k: calls.append(a) or kernel(*a, **k))
+    got = HANDLERS["linear"]([x, weight, b], {}, RunContext())
+    assert len(calls) == 1
+    want = oracle(x, weight) + (0 if b is None else np.array(b.astype(mx.float32), dtype=np.float64))
+    scale = max(float(np.abs(want).max()), 1.0)
+    assert float(np.abs(np.array(got.astype(mx.float32), dtype=np.float64) - want).max()) <= 2e-2 * scale
+
+
+@cuda_only
+def test_the_kernel_runs_inside_a_compiled_function():
+    # Captured segments are mx.compile'd: the kernel is traced once and replayed after.
+    rng = np.random.default_rng(5)
+    weight = mx.array(rng.standard_normal((640, 512)).astype(np.float32)).astype(mx.bfloat16)
+    step = mx.compile(lambda x, w: mx.fast.rms_norm(gemv.gemv(x, w), None, 1e-5) * 2)
+    for seed in range(3):  # the first call traces, the others replay
+        x = mx.array(np.random.default_rng(seed).standard_normal((1, 1, 512)).astype(np.float32)).astype(mx.bfloat16)
+        want = mx.fast.rms_norm(mx.array(oracle(x, weight).astype(np.float32)), None, 1e-5) * 2
+        got = step(x, weight).astype(mx.float32)
+        assert float(mx.max(mx.abs(got - want)).item()) <= 5e-2
+
+
+def rms_norm_oracle(h: np.ndarray, weight: mx.array, eps: float, dtype: mx.Dtype) -> mx.array:
+    """rms_norm by the catalog's rule: normalized in float64 here, rounded to the dtype,
+    times the weight, rounded again (MLX's casts do the rounding)."""
+    unit = h / np.sqrt(np.mean(h**2) + eps)
+    rounded = mx.array(unit.astype(np.float32)).astype(dtype)
+    return (rounded.astype(mx.float32) * weight.astype(mx.float32)).astype(dtype)
+
+
+@cuda_only
+@pytest.mark.parametrize("residual", [False, True], ids=["norm", "add_norm"])
+@pytest.mark.parametrize("tiling", TILINGS[:2], ids=str)
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16, mx.float32], ids=str)
+@pytest.mark.parametrize("out_features,in_features", [(3072, 2048), (512, 8192), (37, 264), (9, 100)])
+def test_the_fused_norm_matches_the_ops_it_replaces(residual, tiling, dtype, out_features, in_features):
+    rng = np.random.default_rng(out_features + in_features)
+    cast = lambda a: mx.array(a.astype(np.float32)).astype(dtype)  # noqa: E731
+    x = cast(rng.standard_normal((1, 1, in_features)) * 3)
+    other = cast(rng.standard_normal((1, 1, in_features))) if residual else None
+    norm_weight = cast(1 + 0.1 * rng.standard_normal(in_features))
+    weight = cast(rng.standard_normal((out_features, in_features)) / np.sqrt(in_features))
+    assert gemv.norm_available(x, norm_weight, weight, other)
+    got, total = gemv.norm_gemv(x, norm_weight, 1e-5, weight, residual=other, layout=tiling)
+    h = x if other is None else (x.astype(mx.float32) + other.astype(mx.float32)).astype(dtype)
+    assert np.array_equal(np.array(total.astype(mx.float32)), np.array(h.astype(mx.float32)))
+    normed = rms_norm_oracle(np.array(h.astype(mx.float32), dtype=np.float64), norm_weight, 1e-5, dtype)
+    assert_close(got, normed, weight)
