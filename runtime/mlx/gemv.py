@@ -32,7 +32,7 @@ _ROW_FROM_INPUT = """
 # x * rsqrt(mean(x**2) + eps) in float rounded to T, times the weight rounded to T.
 # {sum_row} / {write_sum} read the residual and write the sum (block 0), or not.
 _ROW_FROM_NORM = """
-    __shared__ uint4 staged[(IN * sizeof(T) + 15) / 16];  // 16-byte aligned for the loads below
+    __shared__ PteChunk staged[(IN * sizeof(T) + 15) / 16];  // 16-byte aligned for the loads below
     __shared__ float partial[WARPS];
     T* normed = reinterpret_cast<T*>(staged);
     const long long a_step = a_strides[a_ndim - 1];
@@ -102,18 +102,18 @@ _DOT = """
         // UNROLL chunks of x and of each row are loaded before any is used, so a lane keeps
         // that many 16-byte loads per row in flight; chunks past the row's end load as zeros.
         constexpr int STEPS = (CHUNKS + 31) / 32;
-        const uint4* xv = reinterpret_cast<const uint4*>(x);
+        const PteChunk* xv = reinterpret_cast<const PteChunk*>(x);
         for (int step = 0; step < STEPS; step += UNROLL) {
-            uint4 xc[UNROLL];
-            uint4 wc[UNROLL][ROWS];
+            PteChunk xc[UNROLL];
+            PteChunk wc[UNROLL][ROWS];
             #pragma unroll
             for (int u = 0; u < UNROLL; ++u) {
                 const int i = lane + (step + u) * 32;
                 const bool inside = step + u < STEPS && i < CHUNKS;
-                xc[u] = inside ? xv[i] : make_uint4(0, 0, 0, 0);
+                xc[u] = inside ? xv[i] : PteChunk{};
                 #pragma unroll
                 for (int r = 0; r < ROWS; ++r) {
-                    wc[u][r] = inside ? reinterpret_cast<const uint4*>(rows[r])[i] : make_uint4(0, 0, 0, 0);
+                    wc[u][r] = inside ? reinterpret_cast<const PteChunk*>(rows[r])[i] : PteChunk{};
                 }
             }
             #pragma unroll
@@ -177,7 +177,11 @@ norm_enabled = True
 tiling = Tiling()
 # Asked once: the checks run on every linear of a traced step.
 _ON_CUDA = mx.cuda.is_available()
-_HEADER = "#include <cuda_bf16.h>\n#include <cuda_fp16.h>\n"
+# PteChunk: 16 bytes, loaded and stored whole (one 128-bit access), with no vector type needed.
+_HEADER = """#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+struct alignas(16) PteChunk { unsigned int word[4]; };
+"""
 _kernels: dict[str, Callable] = {}
 
 
