@@ -350,11 +350,12 @@ def without_kernels_runner(pte: Path, prompt: list[int], n: int, capacity: int, 
     from mlx_pte import load
     from mlx_pte.runtime.mlx import gemv
 
+    was = getattr(gemv, switch)
     setattr(gemv, switch, False)
     try:
         return mlx_pte_runner(load(pte), prompt, n, capacity, True, "thread")
     finally:
-        setattr(gemv, switch, True)
+        setattr(gemv, switch, was)
 
 
 def add_device_arguments(parser: argparse.ArgumentParser) -> None:
@@ -390,9 +391,9 @@ def main() -> None:
                         help="add a row for mlx-pte on a launcher thread with linear as it ran before its "
                              "one-node GPU form (mlx-pte-vec; load_with_vector_linears)")
     parser.add_argument("--mlx-gemv", action="store_true",
-                        help="add rows for mlx-pte on a launcher thread with MLX's ops for one-row linears and "
-                             "the norms before them, not runtime/mlx/gemv.py's kernels (mlx-pte-mlxgemv), and "
-                             "with its gemv but not its fused norm (mlx-pte-nonorm)")
+                        help="with MLX_PTE_GEMV=1 (runtime/mlx/gemv.py's kernels on): add rows for mlx-pte on a "
+                             "launcher thread with MLX's ops for one-row linears and the norms before them "
+                             "(mlx-pte-mlxgemv), and with the kernel's gemv but not its fused norm (mlx-pte-nonorm)")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="also print cProfile's top N entries of one mlx-pte generate (first --pte), per capture")
     parser.add_argument("--skip", action="append", default=[], choices=["mlx-pte", "mlx-lm", "hf", "hf-static"])

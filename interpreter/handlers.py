@@ -245,8 +245,8 @@ def _linear(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx.array:
         # one-row gemm against the transposed weight.
         out = (weight @ x.reshape(-1)).reshape(*x.shape[:-1], weight.shape[0])
     elif gemv.available(x, weight):
-        # One row on CUDA: a kernel that reads the weight nearer the memory's bandwidth
-        # than MLX's gemv (runtime/mlx/gemv.py), and still one graph node.
+        # One row on CUDA with MLX_PTE_GEMV=1: one graph node of a kernel built to read the
+        # weight at the memory's bandwidth (runtime/mlx/gemv.py).
         out = gemv.gemv(x, weight)
     elif transposed is not None and x.ndim == 3 and x.shape[0] == 1:
         # One graph node: x @ weight.T costs a transpose and MLX's flatten and unflatten

@@ -15,6 +15,7 @@ rows whose stride, alignment or inner stride rule out 16-byte loads take a strid
 """
 from __future__ import annotations
 
+import os
 import struct
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -170,9 +171,11 @@ class Tiling:
     unroll: int = 4
 
 
-# The bench turns these off to time MLX's ops in the same run (enabled: both kernels;
-# norm_enabled: the fused norm only), and sweeps tilings.
-enabled = True
+# Off unless MLX_PTE_GEMV=1: the kernels have not yet run on a GPU (their CUDA tests,
+# tests/runtime/mlx/test_gemv.py, and the bench suite's gemv_forms step are what turn
+# them on by default). The bench also switches them in-process (enabled: both kernels;
+# norm_enabled: the fused norm only) to time MLX's ops in the same run.
+enabled = os.environ.get("MLX_PTE_GEMV") == "1"
 norm_enabled = True
 tiling = Tiling()
 # Asked once: the checks run on every linear of a traced step.

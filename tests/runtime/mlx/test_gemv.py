@@ -48,7 +48,25 @@ def test_the_kernel_stays_off_the_cpu():
         assert not gemv.available(x, weight)
 
 
-def test_only_one_row_of_a_matching_dtype_is_taken(monkeypatch):
+@pytest.fixture
+def kernels_on(monkeypatch):
+    """The kernels switched on, as MLX_PTE_GEMV=1 does."""
+    monkeypatch.setattr(gemv, "enabled", True)
+
+
+def test_the_kernels_are_off_unless_asked_for(monkeypatch):
+    import importlib
+
+    monkeypatch.setattr(gemv, "enabled", gemv.enabled)  # put back after the reloads
+    for value, on in ((None, False), ("0", False), ("1", True)):
+        if value is None:
+            monkeypatch.delenv("MLX_PTE_GEMV", raising=False)
+        else:
+            monkeypatch.setenv("MLX_PTE_GEMV", value)
+        assert importlib.reload(gemv).enabled is on
+
+
+def test_only_one_row_of_a_matching_dtype_is_taken(monkeypatch, kernels_on):
     # As on a GPU wherever this runs: then only the operands decide.
     monkeypatch.setattr(gemv, "_ON_CUDA", True)
     monkeypatch.setattr(gemv.mx, "default_device", lambda: mx.gpu)
@@ -99,7 +117,7 @@ def test_strided_weights_and_rows_match_float64(out_features, in_features, form,
 
 @cuda_only
 @pytest.mark.parametrize("bias", [False, True])
-def test_the_linear_handler_takes_the_kernel_for_one_row(bias, monkeypatch):
+def test_the_linear_handler_takes_the_kernel_for_one_row(bias, monkeypatch, kernels_on):
     rng = np.random.default_rng(3)
     x = mx.array(rng.standard_normal((1, 1, 256)).astype(np.float32)).astype(mx.bfloat16)
     weight = mx.array(rng.standard_normal((384, 256)).astype(np.float32)).astype(mx.bfloat16)
@@ -140,7 +158,7 @@ def rms_norm_oracle(h: np.ndarray, weight: mx.array, eps: float, dtype: mx.Dtype
 @pytest.mark.parametrize("tiling", TILINGS[:2], ids=str)
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16, mx.float32], ids=str)
 @pytest.mark.parametrize("out_features,in_features", [(3072, 2048), (512, 8192), (37, 264), (9, 100)])
-def test_the_fused_norm_matches_the_ops_it_replaces(residual, tiling, dtype, out_features, in_features):
+def test_the_fused_norm_matches_the_ops_it_replaces(residual, tiling, dtype, out_features, in_features, kernels_on):
     rng = np.random.default_rng(out_features + in_features)
     cast = lambda a: mx.array(a.astype(np.float32)).astype(dtype)  # noqa: E731
     x = cast(rng.standard_normal((1, 1, in_features)) * 3)
