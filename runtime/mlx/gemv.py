@@ -7,6 +7,11 @@ bf16) per iteration of a loop whose bound is a run-time value; this kernel has e
 load 16 bytes per load, with the row length a compile-time constant so the loop unrolls
 and several loads per lane are in flight at once.
 
+The same kernel may first build its row: ``norm_gemv`` normalizes it (after a residual add)
+in shared memory, so a decoder layer's add, norm and projection are one kernel
+(``ir/norm_linears.py`` makes them one op at load). The kernels are off unless
+``MLX_PTE_GEMV=1`` (see ``enabled``).
+
 Layout: ``WARPS`` warps per block, each warp computing ``ROWS`` consecutive output rows;
 a lane reads every 32nd 16-byte chunk of its rows and of x, accumulates in float, and the
 warp sums its lanes by shuffles. Strides are read from the arrays, so no input is copied:
@@ -205,9 +210,9 @@ def _kernel(kind: str) -> Callable:
     return _kernels[kind]
 
 
-def _one_row(x: mx.array, weight: mx.array) -> bool:
-    """Whether this process runs ``x @ weight.T`` here: one row of x (any leading axes of
-    size 1) on CUDA, a 2-D weight of x's floating dtype."""
+def available(x: mx.array, weight: mx.array) -> bool:
+    """Whether ``gemv`` runs ``x @ weight.T`` on this process's default device: the kernels
+    on, CUDA, one row of x (any leading axes of size 1), a 2-D weight of x's floating dtype."""
     return (
         enabled
         and _ON_CUDA
@@ -222,17 +227,12 @@ def _one_row(x: mx.array, weight: mx.array) -> bool:
     )
 
 
-def available(x: mx.array, weight: mx.array) -> bool:
-    """Whether ``gemv`` runs ``x @ weight.T`` on this process's default device."""
-    return _one_row(x, weight)
-
-
 def norm_available(x: mx.array, norm_weight: mx.array, weight: mx.array, residual: Optional[mx.array] = None) -> bool:
     """Whether ``norm_gemv`` runs these operands here: ``available``'s rules, a norm weight
     (and residual) of x's shape and dtype, and a row that fits the block's shared memory."""
     return (
         norm_enabled
-        and _one_row(x, weight)
+        and available(x, weight)
         and x.shape[-1] * x.itemsize <= STAGED_BYTES
         and norm_weight.shape == (x.shape[-1],)
         and norm_weight.dtype == x.dtype
