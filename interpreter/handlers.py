@@ -258,23 +258,27 @@ def _linear(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx.array:
     return out if bias is None else out + bias
 
 
+def _norm_linear(x: mx.array, residual: Optional[mx.array], norm_weight: mx.array, weight: mx.array,
+                 bias: Optional[mx.array], attrs: dict[str, Any], ctx: RunContext) -> tuple[mx.array, mx.array]:
+    """linear(rms_norm(h)) and h, where h is ``x + residual`` or x: one kernel where
+    ``gemv.norm_available`` says so, else the three ops as they run apart."""
+    if gemv.norm_available(x, norm_weight, weight, residual):
+        out, total = gemv.norm_gemv(x, norm_weight, attrs["eps"], weight, residual=residual)
+        return (out if bias is None else out + bias), total
+    total = x if residual is None else x + residual
+    return _linear([_rms_norm([total, norm_weight], attrs, ctx), weight, bias], attrs, ctx), total
+
+
 @handles("rms_norm_linear")
 def _rms_norm_linear(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx.array:
     x, norm_weight, weight, bias = args
-    if gemv.norm_available(x, norm_weight, weight):
-        out, _ = gemv.norm_gemv(x, norm_weight, attrs["eps"], weight)
-        return out if bias is None else out + bias
-    return _linear([_rms_norm([x, norm_weight], attrs, ctx), weight, bias], attrs, ctx)
+    return _norm_linear(x, None, norm_weight, weight, bias, attrs, ctx)[0]
 
 
 @handles("add_rms_norm_linear")
 def _add_rms_norm_linear(args: Args, attrs: dict[str, Any], ctx: RunContext) -> tuple[mx.array, mx.array]:
     a, b, norm_weight, weight, bias = args
-    if a.shape == b.shape and gemv.norm_available(a, norm_weight, weight, residual=b):
-        out, total = gemv.norm_gemv(a, norm_weight, attrs["eps"], weight, residual=b)
-        return (out if bias is None else out + bias), total
-    total = a + b
-    return _rms_norm_linear([total, norm_weight, weight, bias], attrs, ctx), total
+    return _norm_linear(a, b, norm_weight, weight, bias, attrs, ctx)
 
 
 @handles("embedding")

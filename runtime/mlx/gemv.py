@@ -240,8 +240,10 @@ def norm_available(x: mx.array, norm_weight: mx.array, weight: mx.array, residua
     )
 
 
-def _call(kind: str, inputs: list[mx.array], row: mx.array, weight: mx.array, extra: list,
-          layout: Optional[Tiling], outputs: int = 1) -> list[mx.array]:
+def _call(kind: str, inputs: list[mx.array], weight: mx.array, extra: list, layout: Optional[Tiling],
+          outputs: int = 1) -> list[mx.array]:
+    """The ``kind`` kernel over ``weight`` and ``inputs`` (the row first)."""
+    row = inputs[0]
     layout = layout or tiling
     out_features, in_features = weight.shape
     blocks = -(-out_features // (layout.warps * layout.rows))
@@ -261,7 +263,7 @@ def _call(kind: str, inputs: list[mx.array], row: mx.array, weight: mx.array, ex
 def gemv(x: mx.array, weight: mx.array, layout: Optional[Tiling] = None) -> mx.array:
     """``x @ weight.T`` for one row x ([..., in], leading axes of size 1) and weight
     [out, in]; the result has x's leading axes and ``out`` last, in x's dtype."""
-    return _call("gemv", [x], x, weight, [], layout)[0]
+    return _call("gemv", [x], weight, [], layout)[0]
 
 
 def norm_gemv(x: mx.array, norm_weight: mx.array, eps: float, weight: mx.array,
@@ -270,6 +272,6 @@ def norm_gemv(x: mx.array, norm_weight: mx.array, eps: float, weight: mx.array,
     (rounded to x's dtype) or x itself: one kernel (``norm_available`` says where)."""
     eps_bits = struct.unpack("<i", struct.pack("<f", eps))[0]  # the kernel reads it back as a float
     if residual is None:
-        return _call("norm", [x, norm_weight], x, weight, [("EPS", eps_bits)], layout)[0], x
-    y, total = _call("add_norm", [x, residual, norm_weight], x, weight, [("EPS", eps_bits)], layout, outputs=2)
+        return _call("norm", [x, norm_weight], weight, [("EPS", eps_bits)], layout)[0], x
+    y, total = _call("add_norm", [x, residual, norm_weight], weight, [("EPS", eps_bits)], layout, outputs=2)
     return y, total

@@ -42,7 +42,7 @@ def assert_close(got: mx.array, x: mx.array, weight: mx.array) -> None:
     assert error <= TOLERANCE[x.dtype] * scale, (error, scale)
 
 
-def test_the_kernel_stays_off_the_cpu():
+def test_the_kernel_stays_off_the_cpu(kernels_on):
     x, weight = mx.ones((1, 1, 64)), mx.ones((32, 64))
     with mx.stream(mx.cpu):
         assert not gemv.available(x, weight)
