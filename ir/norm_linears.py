@@ -10,11 +10,16 @@ the norm's input is an ``add`` of two operands, the add joins it as
 ``add_rms_norm_linear``, whose second result is the sum (the residual the layer reads
 again). The fused ops run the three ops' exact rules wherever the kernel does not apply.
 
+The model's final norm is followed by the selection of the rows the LM head reads (one a
+step at decode). A norm works row by row, so the selection moves before it first: the
+norm then normalizes only the selected rows and its one reader is the LM head's linear.
+
 Like ``rotary_pairs``, this runs on the graph a process loads (after a tensor-parallel
 shard is cut), not at export: files keep the ops the exporter wrote.
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Optional
 
 from .catalog import lookup
@@ -25,6 +30,7 @@ from .passes import readers_of, with_replacements
 def fuse_norm_linears(graph: Graph) -> Graph:
     """``graph`` with each norm-then-linear (and the residual add before it) as one op
     (``graph`` itself is not changed)."""
+    graph = _select_rows_first(graph)
     readers = readers_of(graph.instructions)
     producer = {slot: instr for instr in graph.instructions for slot in instr.outputs}
     replaced: dict[int, list[Instruction]] = {}  # id of an instruction -> what takes its place
@@ -48,6 +54,46 @@ def fuse_norm_linears(graph: Graph) -> Graph:
         replaced.update({id(instr): [] for instr in ((add, norm, linear) if first is add else (norm, linear))})
         replaced[id(first)] = [fused]
     return with_replacements(graph, replaced)
+
+
+# Ops that pick rows along one axis: before a norm over the last axis they commute with it.
+_ROW_SELECTIONS = frozenset({"select", "index_select", "slice"})
+
+
+def _select_rows_first(graph: Graph) -> Graph:
+    """``graph`` with each rms_norm read only by a row selection (along an axis other than
+    the normalized last one) run after that selection instead, until no such pair is left:
+    the selection reads the norm's input and the norm the selected rows."""
+    while True:
+        readers = readers_of(graph.instructions)
+        pair = next(((norm, readers[norm.outputs[0]][0]) for norm in graph.instructions
+                     if _selected_first(graph, norm, readers)), None)
+        if pair is None:
+            return graph
+        norm, selection = pair
+        normed, selected = norm.outputs[0], selection.outputs[0]
+        # The norm's slot now holds the selected rows (typed as the selection's result,
+        # which a norm does not change); the selection's slot, the normalized ones.
+        slots = list(graph.slots)
+        slots[normed] = replace(slots[normed], type=slots[selected].type)
+        moved = [replace(selection, inputs=(norm.inputs[0], *selection.inputs[1:]), outputs=(normed,)),
+                 replace(norm, inputs=(normed, *norm.inputs[1:]), outputs=(selected,))]
+        graph = with_replacements(replace(graph, slots=slots), {id(norm): [], id(selection): moved})
+
+
+def _selected_first(graph: Graph, norm: Instruction, readers: dict[int, list[Instruction]]) -> bool:
+    """Whether ``norm`` is an rms_norm whose result only one row selection reads, along an
+    axis (of a known rank) other than the last."""
+    if norm.op != "rms_norm" or norm.outputs[0] in graph.outputs:
+        return False
+    read = readers.get(norm.outputs[0], [])
+    if len(read) != 1 or read[0].op not in _ROW_SELECTIONS or read[0].inputs[0] != norm.outputs[0]:
+        return False
+    shape = graph.slots[norm.outputs[0]].type.shape
+    if shape is None:
+        return False
+    dim = read[0].attr("dim")
+    return (dim if dim >= 0 else dim + len(shape)) != len(shape) - 1
 
 
 def _only_linear(graph: Graph, norm: Instruction, readers: dict[int, list[Instruction]]) -> Optional[Instruction]:

@@ -13,15 +13,18 @@ import numpy as np
 import pytest
 
 import mlx_pte.runtime.mlx.blas  # noqa: F401  (before mlx.core)
+import mlx.core as mx
 
 from mlx_pte.interpreter import program as program_module
-from mlx_pte.interpreter.program import load
+from mlx_pte.interpreter.program import Program, load
 from mlx_pte.ir.catalog import validate_graph
+from mlx_pte.ir.graph import Graph, Instruction, SlotKind, SymDim, TensorType
 from mlx_pte.ir.norm_linears import fuse_norm_linears
 from tests.fixtures.exported import exported_pte
 from tests.interpreter.session_logits import logits_of
 
 FUSED = ("rms_norm_linear", "add_rms_norm_linear")
+T = SymDim("T", 1, 8)
 
 
 def ops(graph) -> list[str]:
@@ -32,8 +35,10 @@ def test_both_norms_of_every_llama_layer_join_their_projection(tmp_path_factory,
     program = load(exported_pte(tmp_path_factory, tiny_checkpoint, "llama"))
     on_file, loaded = ops(program.graph), ops(program.run_graph)
     layers = on_file.count("update_and_attend")
-    # The first layer's input norm reads the embedding; every other norm a residual add.
-    assert loaded.count("rms_norm_linear") == 1
+    # The first layer's input norm reads the embedding and the final norm the LM head's rows
+    # (selected before it); every other norm reads a residual add.
+    assert loaded.count("rms_norm_linear") == 2
+    assert loaded.count("rms_norm") == 0
     assert loaded.count("add_rms_norm_linear") == 2 * layers - 1
     fused = loaded.count("rms_norm_linear") + loaded.count("add_rms_norm_linear")
     assert loaded.count("rms_norm") == on_file.count("rms_norm") - fused
@@ -62,3 +67,49 @@ def test_a_norm_read_twice_stays_apart(tmp_path_factory, tiny_checkpoint):
     rewritten = fuse_norm_linears(graph)
     assert norm in rewritten.instructions
     validate_graph(rewritten)
+
+
+def _norm_then(selections: list[tuple[str, tuple, dict]]) -> tuple[Graph, dict[int, np.ndarray]]:
+    """x [2, T, 8] -> rms_norm -> each selection in turn -> a linear to 5 features; the
+    norm's weight is the first constant, the linear's the second."""
+    graph = Graph()
+
+    def slot(kind: SlotKind, shape: tuple) -> int:
+        return graph.add_slot(f"s{len(graph.slots)}", kind, TensorType("float32", shape))
+
+    x, index = slot(SlotKind.INPUT, (2, T, 8)), graph.add_slot("index", SlotKind.INPUT, TensorType("int64", (1,)))
+    graph.inputs.extend([x, index])
+    norm_weight, value = slot(SlotKind.CONSTANT, (8,)), slot(SlotKind.TEMP, (2, T, 8))
+    graph.instructions.append(Instruction("rms_norm", (x, norm_weight), (value,), (("eps", 1e-5),)))
+    for op, shape, attrs in selections:
+        result = slot(SlotKind.TEMP, shape)
+        inputs = (value, index) if op == "index_select" else (value,)
+        graph.instructions.append(Instruction(op, inputs, (result,), tuple(attrs.items())))
+        value = result
+    *rows, features = graph.slots[value].type.shape
+    weight, out = slot(SlotKind.CONSTANT, (5, features)), slot(SlotKind.TEMP, (*rows, 5))
+    graph.instructions.append(Instruction("linear", (value, weight, None), (out,)))
+    graph.outputs.append(out)
+    rng = np.random.default_rng(0)
+    return graph, {norm_weight: rng.standard_normal(8).astype(np.float32),
+                   weight: rng.standard_normal((5, features)).astype(np.float32)}
+
+
+def test_row_selections_move_before_the_norm_which_joins_the_linear():
+    # The final norm's shape: a batch row, then the positions the LM head reads.
+    graph, weights = _norm_then([("select", (T, 8), {"dim": 0, "index": 1}), ("index_select", (1, 8), {"dim": 0})])
+    rewritten = fuse_norm_linears(graph)
+    validate_graph(rewritten)
+    assert ops(rewritten) == ["select", "index_select", "rms_norm_linear"]
+    x = np.random.default_rng(1).standard_normal((2, 6, 8)).astype(np.float32)
+    index = np.array([4], dtype=np.int64)
+    (got,) = Program(rewritten, {k: mx.array(v) for k, v in weights.items()}, {}).run([x, index])
+    norm_weight, weight = weights.values()
+    rows = x[1, index].astype(np.float64)
+    normed = rows / np.sqrt(np.mean(rows**2, axis=-1, keepdims=True) + 1e-5) * norm_weight
+    np.testing.assert_allclose(np.array(got), normed @ weight.T, rtol=1e-5, atol=1e-5)
+
+
+def test_a_selection_along_the_normalized_axis_stays_after_the_norm():
+    graph, _ = _norm_then([("slice", (2, T, 4), {"dim": -1, "start": 0, "end": 4, "step": 1})])
+    assert ops(fuse_norm_linears(graph)) == ["rms_norm", "slice", "linear"]
