@@ -478,7 +478,7 @@ def main() -> None:
             if args.vector_linear:
                 runners["mlx-pte-vec", label] = mlx_pte_runner(
                     load_with_vector_linears(pte), prompt, args.generate, capacity, True, "thread")
-            if args.mlx_gemv and bits_of(label) is None:  # quantized linears take MLX's kernels
+            if args.mlx_gemv:  # bf16 and 4-bit affine linears alike
                 for row, switch in (("mlx-pte-mlxgemv", "enabled"), ("mlx-pte-nonorm", "norm_enabled")):
                     runners[row, label] = without_kernels_runner(pte, prompt, args.generate, capacity, switch)
             if args.baseline:

@@ -1,9 +1,10 @@
 """GEMV bandwidth on the GPU for a Llama-3.2-1B decode step's shapes (B=1, bfloat16, the
 fused projections), MLX's ``x @ W.T`` (``gemv_single``) against the project's kernel
 (``runtime/mlx/gemv.py``) at each tiling given, checked against MLX's result; ``--torch``
-adds cuBLAS through torch and ``--q4`` MLX's ``quantized_matmul`` (4 bits, group 64). Where
-a norm feeds the projection, MLX's residual add, ``rms_norm`` and GEMV are timed against
-the kernel that fuses them (``norm_gemv``).
+adds cuBLAS through torch and ``--q4`` MLX's ``quantized_matmul`` (4 bits, group 64)
+against the kernel on the same packed weights. Where a norm feeds the projection, MLX's
+residual add, ``rms_norm`` and GEMV are timed against the kernel that fuses them
+(``norm_gemv``).
 
     python3 bench/gpu_gemv.py --wheels .whl [--tilings 8x1x4,4x2x4] [--torch] [--q4] [--peak GB/s]
 
@@ -87,7 +88,8 @@ def main() -> None:
     parser.add_argument("--tilings", default="8x1x4,4x1x4,4x2x4,8x1x8,8x2x2",
                         help="the kernel's tilings, WARPSxROWSxUNROLL, comma-separated ('' for none)")
     parser.add_argument("--torch", action="store_true", help="also torch's cuBLAS GEMV")
-    parser.add_argument("--q4", action="store_true", help="also MLX's quantized_matmul, 4 bits, group 64")
+    parser.add_argument("--q4", action="store_true", help="also MLX's quantized_matmul, 4 bits, group 64, and the "
+                        "kernel on the same packed weights (each tiling, and with the fused norm)")
     args = parser.parse_args()
     from gpu_decode import install_mlx, project_root
 
@@ -145,6 +147,18 @@ def main() -> None:
                 return mx.quantized_matmul(x, *p, transpose=True, group_size=64, bits=4)
 
             rows.append(("mlx q4 g64", time_mlx(qmm, xs, packed, args.repeats), qbytes))
+            weights4 = [gemv.Packed4(*p, 64) for p in packed]
+            want = qmm(xs[0], packed[0]).astype(mx.float32)
+            for tiling in tilings:
+                kernel = lambda x, w, t=tiling: gemv.gemv(x, w, t)  # noqa: E731
+                got = kernel(xs[0], weights4[0]).astype(mx.float32)
+                error = mx.max(mx.abs(want - got)).item() / max(mx.max(mx.abs(want)).item(), 1e-6)
+                name = f"q4 {tiling.warps}x{tiling.rows}x{tiling.unroll} (e{error:.0e})"
+                rows.append((name, time_mlx(kernel, xs, weights4, args.repeats), qbytes))
+            if (out, inn) in NORM_SITES:
+                rows.append(("mlx add+norm+q4", time_mlx(lambda pair, p: qmm(mx.fast.rms_norm(
+                    pair[0] + pair[1], g, 1e-5), p), pairs, packed, args.repeats), qbytes))  # fmt: skip
+                rows.append(("q4 add_norm kernel", time_mlx(fused, pairs, weights4, args.repeats), qbytes))
         for name, seconds, moved in rows:
             rate = moved / seconds / 1e9
             print(f"{f'{out}x{inn}':>14} {copies:>6} {name:<22} {seconds * 1e6:>8.1f} {rate:>8.0f} "

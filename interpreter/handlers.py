@@ -258,27 +258,46 @@ def _linear(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx.array:
     return out if bias is None else out + bias
 
 
-def _norm_linear(x: mx.array, residual: Optional[mx.array], norm_weight: mx.array, weight: mx.array,
-                 bias: Optional[mx.array], attrs: dict[str, Any], ctx: RunContext) -> tuple[mx.array, mx.array]:
-    """linear(rms_norm(h)) and h, where h is ``x + residual`` or x: one kernel where
-    ``gemv.norm_available`` says so, else the three ops as they run apart."""
-    if gemv.norm_available(x, norm_weight, weight, residual):
-        out, total = gemv.norm_gemv(x, norm_weight, attrs["eps"], weight, residual=residual)
+def _norm_linear(x: mx.array, residual: Optional[mx.array], norm_weight: mx.array,
+                 kernel_weight: Optional[gemv.Weight], bias: Optional[mx.array], linear: Callable[[mx.array], mx.array],
+                 attrs: dict[str, Any], ctx: RunContext) -> tuple[mx.array, mx.array]:
+    """linear(rms_norm(h)) and h, where h is ``x + residual`` or x: one kernel over the
+    linear's weight (``kernel_weight``, None where the kernel cannot read it) where
+    ``gemv.norm_available`` says so, else the add, the norm and ``linear`` (the linear's
+    handler on the normalized row) as they run apart."""
+    if kernel_weight is not None and gemv.norm_available(x, norm_weight, kernel_weight, residual):
+        out, total = gemv.norm_gemv(x, norm_weight, attrs["eps"], kernel_weight, residual=residual)
         return (out if bias is None else out + bias), total
     total = x if residual is None else x + residual
-    return _linear([_rms_norm([total, norm_weight], attrs, ctx), weight, bias], attrs, ctx), total
+    return linear(_rms_norm([total, norm_weight], attrs, ctx)), total
 
 
 @handles("rms_norm_linear")
 def _rms_norm_linear(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx.array:
     x, norm_weight, weight, bias = args
-    return _norm_linear(x, None, norm_weight, weight, bias, attrs, ctx)[0]
+    linear = lambda row: _linear([row, weight, bias], attrs, ctx)  # noqa: E731
+    return _norm_linear(x, None, norm_weight, weight, bias, linear, attrs, ctx)[0]
 
 
 @handles("add_rms_norm_linear")
 def _add_rms_norm_linear(args: Args, attrs: dict[str, Any], ctx: RunContext) -> tuple[mx.array, mx.array]:
     a, b, norm_weight, weight, bias = args
-    return _norm_linear(a, b, norm_weight, weight, bias, attrs, ctx)
+    linear = lambda row: _linear([row, weight, bias], attrs, ctx)  # noqa: E731
+    return _norm_linear(a, b, norm_weight, weight, bias, linear, attrs, ctx)
+
+
+@handles("rms_norm_quantized_linear")
+def _rms_norm_quantized_linear(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx.array:
+    x, norm_weight, *parts = args  # weight, scales, biases, bias
+    linear = lambda row: _quantized_linear([row, *parts], attrs, ctx)  # noqa: E731
+    return _norm_linear(x, None, norm_weight, _packed4(parts, attrs), parts[3], linear, attrs, ctx)[0]
+
+
+@handles("add_rms_norm_quantized_linear")
+def _add_rms_norm_quantized_linear(args: Args, attrs: dict[str, Any], ctx: RunContext) -> tuple[mx.array, mx.array]:
+    a, b, norm_weight, *parts = args
+    linear = lambda row: _quantized_linear([row, *parts], attrs, ctx)  # noqa: E731
+    return _norm_linear(a, b, norm_weight, _packed4(parts, attrs), parts[3], linear, attrs, ctx)
 
 
 @handles("embedding")
@@ -359,12 +378,24 @@ def _quant_kwargs(attrs: dict[str, Any]) -> dict[str, Any]:
 CPU_DEQUANTIZE_ROWS = 16
 
 
+def _packed4(parts: list, attrs: dict[str, Any]) -> Optional[gemv.Packed4]:
+    """A quantized linear's weight as the GEMV kernel reads it: MLX's 4-bit affine packing
+    only (None for every other mode, which the kernel does not take)."""
+    weight, scales, biases = parts[:3]
+    if attrs["mode"] != "affine" or attrs["bits"] != 4 or biases is None:
+        return None
+    return gemv.Packed4(weight, scales, biases, attrs["group_size"])
+
+
 @handles("quantized_linear")
 def _quantized_linear(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx.array:
     x, weight, scales, biases, bias = args
     kwargs = _quant_kwargs(attrs)
+    packed = _packed4(args[1:], attrs)
     if x.size >= CPU_DEQUANTIZE_ROWS * x.shape[-1] and mx.default_device().type == mx.DeviceType.cpu:
         out = x @ mx.dequantize(weight, scales, biases, dtype=x.dtype, **kwargs).T
+    elif packed is not None and gemv.available(x, packed):
+        out = gemv.gemv(x, packed)  # as for linear: one row on CUDA with MLX_PTE_GEMV=1
     else:
         out = mx.quantized_matmul(x, weight, scales, biases, transpose=True, **kwargs)
     return out if bias is None else out + bias

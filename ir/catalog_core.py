@@ -390,3 +390,24 @@ define(
         output_rule="(linear(rms_norm(a + b, norm_weight, eps), weight, bias), a + b), by those ops' rules",
     )
 )
+define(
+    OpSpec(
+        "rms_norm_quantized_linear",
+        ("x", "norm_weight", "weight", "scales", "biases?", "bias?"),
+        (*_attrs(("eps", "float")), *_QUANT_ATTRS),
+        output_rule="quantized_linear(rms_norm(x, norm_weight, eps), weight, scales, biases, bias), by those ops' "
+        "rules",
+        check=quantization.check_operands,
+    )
+)
+define(
+    OpSpec(
+        "add_rms_norm_quantized_linear",
+        ("a", "b", "norm_weight", "weight", "scales", "biases?", "bias?"),
+        (*_attrs(("eps", "float")), *_QUANT_ATTRS),
+        n_outputs=2,
+        output_rule="(quantized_linear(rms_norm(a + b, norm_weight, eps), weight, scales, biases, bias), a + b), by "
+        "those ops' rules",
+        check=quantization.check_operands,
+    )
+)

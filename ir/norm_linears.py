@@ -8,7 +8,9 @@ nodes the host encodes every step, where the linear's kernel can normalize the r
 ``linear`` (as its input; its weight and bias constants) becomes ``rms_norm_linear``; when
 the norm's input is an ``add`` of two operands, the add joins it as
 ``add_rms_norm_linear``, whose second result is the sum (the residual the layer reads
-again). The fused ops run the three ops' exact rules wherever the kernel does not apply.
+again). A ``quantized_linear`` joins its norm alike, as ``rms_norm_quantized_linear`` and
+``add_rms_norm_quantized_linear``. The fused ops run the three ops' exact rules wherever
+the kernel does not apply.
 
 The model's final norm is followed by the selection of the rows the LM head reads (one a
 step at decode). A norm works row by row, so the selection moves before it first: the
@@ -39,16 +41,17 @@ def fuse_norm_linears(graph: Graph) -> Graph:
         if linear is None:
             continue
         add = producer.get(norm.inputs[0])
-        eps = (("eps", norm.attr("eps")),)
+        # A quantized linear keeps its attributes (its weight's type) on the fused op.
+        attrs = (("eps", norm.attr("eps")), *linear.attrs)
+        op = f"rms_norm_{linear.op}"
         if add is not None and add.op == "add" and id(add) not in replaced and _is_constant(graph, norm.inputs[1]):
-            fused = Instruction("add_rms_norm_linear", (*add.inputs, norm.inputs[1], *linear.inputs[1:]),
-                                (linear.outputs[0], add.outputs[0]), eps)
+            fused = Instruction(f"add_{op}", (*add.inputs, norm.inputs[1], *linear.inputs[1:]),
+                                (linear.outputs[0], add.outputs[0]), attrs)
             # The sum may be read before the linear ran: the fused op takes the add's place,
             # where the norm's weight and the linear's (constants) are as ready as later.
             first = add
         else:
-            fused = Instruction("rms_norm_linear", (norm.inputs[0], norm.inputs[1], *linear.inputs[1:]),
-                                (linear.outputs[0],), eps)
+            fused = Instruction(op, (norm.inputs[0], norm.inputs[1], *linear.inputs[1:]), (linear.outputs[0],), attrs)
             first = norm
         lookup(fused.op).validate(fused, graph)
         replaced.update({id(instr): [] for instr in ((add, norm, linear) if first is add else (norm, linear))})
@@ -56,6 +59,7 @@ def fuse_norm_linears(graph: Graph) -> Graph:
     return with_replacements(graph, replaced)
 
 
+_LINEARS = ("linear", "quantized_linear")
 # Ops that pick rows along one axis: before a norm over the last axis they commute with it.
 _ROW_SELECTIONS = frozenset({"select", "index_select", "slice"})
 
@@ -107,7 +111,7 @@ def _only_linear(graph: Graph, norm: Instruction, readers: dict[int, list[Instru
     if len(read) != 1 or normed in graph.outputs:
         return None
     linear = read[0]
-    if linear.op != "linear" or linear.inputs[0] != normed or normed in linear.inputs[1:]:
+    if linear.op not in _LINEARS or linear.inputs[0] != normed or normed in linear.inputs[1:]:
         return None
     if not all(slot is None or _is_constant(graph, slot) for slot in linear.inputs[1:]):
         return None

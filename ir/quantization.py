@@ -137,7 +137,11 @@ def _listed(values: tuple[int, ...]) -> str:
 # -- the typed view, and its checks on load ----------------------------------------------
 
 # op -> index of its (first) packed weight operand (scales and biases follow it).
-QUANTIZED_OPS = {"quantized_linear": 1, "quantized_embedding": 0, "quantized_experts": 3}
+QUANTIZED_OPS = {"quantized_linear": 1, "quantized_embedding": 0, "quantized_experts": 3,
+                 # a norm joined to the quantized linear reading it, at load (ir.norm_linears)
+                 "rms_norm_quantized_linear": 2, "add_rms_norm_quantized_linear": 3}
+# The ops whose first operand is the row a quantized linear multiplies.
+_LINEAR_OPS = frozenset({"quantized_linear", "rms_norm_quantized_linear", "add_rms_norm_quantized_linear"})
 # op -> index of every packed weight it reads, where there are several.
 _PACKED_AT = {"quantized_experts": (3, 6)}
 
@@ -225,7 +229,7 @@ def check_operands(instr: Instruction, graph: Graph) -> None:
     qc = read_constant(instr, graph)
     where = f"instruction {instr.op!r}"
     n, k = qc.shape
-    if instr.op == "quantized_linear":
+    if instr.op in _LINEAR_OPS:
         x, out = graph.slots[instr.inputs[0]].type, graph.slots[instr.outputs[0]].type
         if x != UNTYPED_TENSOR and (
             x.dtype not in FLOAT_DTYPES or (x.shape and isinstance(x.shape[-1], int) and x.shape[-1] != k)

@@ -9,8 +9,10 @@ and several loads per lane are in flight at once.
 
 The same kernel may first build its row: ``norm_gemv`` normalizes it (after a residual add)
 in shared memory, so a decoder layer's add, norm and projection are one kernel
-(``ir/norm_linears.py`` makes them one op at load). The kernels are off unless
-``MLX_PTE_GEMV=1`` (see ``enabled``).
+(``ir/norm_linears.py`` makes them one op at load). The weight may also be MLX's 4-bit
+affine packing (``Packed4``; MLX's ``qmv`` loads 8 bytes a lane per pass of a run-time
+loop, as its ``gemv_single`` does). The kernels are off unless ``MLX_PTE_GEMV=1`` (see
+``enabled``).
 
 Layout: ``WARPS`` warps per block, each warp computing ``ROWS`` consecutive output rows;
 a lane reads every 32nd 16-byte chunk of its rows and of x, accumulates in float, and the
@@ -23,7 +25,7 @@ from __future__ import annotations
 import os
 import struct
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 from mlx_pte.runtime.mlx.bootstrap import mx
 
@@ -79,16 +81,25 @@ _SUM_ROW = {
            "if (blockIdx.x == 0) { total_row[i] = h; }"),
 }
 
-# The dot product of ROWS rows of w with x per warp, into y. After the row's set-up, which
-# may synchronize the block: a warp with no rows leaves only here.
-_DOT = """
-    constexpr int VEC = 16 / sizeof(T);  // elements per 16-byte load
-    constexpr int CHUNKS = IN / VEC;
+# Each warp takes ROWS consecutive output rows from ``first``; after the row's set-up, which
+# may synchronize the block, a warp with no rows leaves here.
+_WARP_ROWS = """
     const int lane = threadIdx.x % 32;
     const int first = (blockIdx.x * WARPS + threadIdx.x / 32) * ROWS;
     if (first >= OUT) {
         return;
     }
+    float acc[ROWS];
+    #pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+        acc[r] = 0.0f;
+    }
+"""
+
+# The dot products of a dense w's rows with x.
+_DENSE_DOT = """
+    constexpr int VEC = 16 / sizeof(T);  // elements per 16-byte load
+    constexpr int CHUNKS = IN / VEC;
     const long long row_stride = w_strides[0];
     const long long col_stride = w_strides[1];
     // Rows past OUT (a last warp's spare rows) read the last row again and are not written.
@@ -96,11 +107,6 @@ _DOT = """
     #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
         rows[r] = w + (first + r < OUT ? first + r : OUT - 1) * row_stride;
-    }
-    float acc[ROWS];
-    #pragma unroll
-    for (int r = 0; r < ROWS; ++r) {
-        acc[r] = 0.0f;
     }
     const bool vector = col_stride == 1 && x_stride == 1 && IN % VEC == 0 && row_stride % VEC == 0
         && (reinterpret_cast<size_t>(w) % 16) == 0 && (reinterpret_cast<size_t>(x) % 16) == 0;
@@ -144,6 +150,99 @@ _DOT = """
             }
         }
     }
+"""
+
+# The dot products of a 4-bit affine w's rows with x (MLX's packing: w is uint32, 8 values a
+# word, the first in the low bits; a value v of group g stands for scales[g] * v + biases[g],
+# GROUP values a group). A 16-byte chunk of a row is 32 values of one group (GROUP is a
+# multiple of 32), so it adds scale * sum(v * x) + bias * sum(x) over its 32 x values.
+_AFFINE4_DOT = """
+    constexpr int VALUES = 32;  // values per 16-byte chunk of a packed row
+    constexpr int CHUNKS = IN / VALUES;
+    constexpr int XVEC = 16 / sizeof(T);  // x values per 16-byte load
+    const long long row_stride = w_strides[0];
+    const long long word_stride = w_strides[1];
+    int rows[ROWS];
+    #pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+        rows[r] = first + r < OUT ? first + r : OUT - 1;
+    }
+    const auto group_scale = [&](int row, int i) {
+        return static_cast<float>(scales[row * scales_strides[0] + (i / GROUP) * scales_strides[1]]);
+    };
+    const auto group_bias = [&](int row, int i) {
+        return static_cast<float>(biases[row * biases_strides[0] + (i / GROUP) * biases_strides[1]]);
+    };
+    const bool vector = word_stride == 1 && x_stride == 1 && IN % VALUES == 0 && row_stride % 4 == 0
+        && (reinterpret_cast<size_t>(w) % 16) == 0 && (reinterpret_cast<size_t>(x) % 16) == 0;
+    if (vector) {
+        // As in the dense dot: UNROLL chunks of each row (with their scale and bias) are
+        // loaded before any is used; x is read where it is used (it stays in L1).
+        constexpr int STEPS = (CHUNKS + 31) / 32;
+        for (int step = 0; step < STEPS; step += UNROLL) {
+            PteChunk wc[UNROLL][ROWS];
+            float sc[UNROLL][ROWS];
+            float bc[UNROLL][ROWS];
+            #pragma unroll
+            for (int u = 0; u < UNROLL; ++u) {
+                const int i = lane + (step + u) * 32;
+                const bool inside = step + u < STEPS && i < CHUNKS;
+                #pragma unroll
+                for (int r = 0; r < ROWS; ++r) {
+                    wc[u][r] = inside ? reinterpret_cast<const PteChunk*>(w + rows[r] * row_stride)[i] : PteChunk{};
+                    sc[u][r] = inside ? group_scale(rows[r], i * VALUES) : 0.0f;
+                    bc[u][r] = inside ? group_bias(rows[r], i * VALUES) : 0.0f;
+                }
+            }
+            #pragma unroll
+            for (int u = 0; u < UNROLL; ++u) {
+                const int i = lane + (step + u) * 32;
+                if (step + u >= STEPS || i >= CHUNKS) {
+                    continue;
+                }
+                float xs[VALUES];
+                float xsum = 0.0f;
+                const PteChunk* xv = reinterpret_cast<const PteChunk*>(x + i * VALUES);
+                #pragma unroll
+                for (int c = 0; c < VALUES / XVEC; ++c) {
+                    const PteChunk loaded = xv[c];
+                    const T* values = reinterpret_cast<const T*>(&loaded);
+                    #pragma unroll
+                    for (int j = 0; j < XVEC; ++j) {
+                        xs[c * XVEC + j] = static_cast<float>(values[j]);
+                        xsum += xs[c * XVEC + j];
+                    }
+                }
+                #pragma unroll
+                for (int r = 0; r < ROWS; ++r) {
+                    float dot = 0.0f;
+                    #pragma unroll
+                    for (int k = 0; k < 4; ++k) {
+                        const unsigned int word = wc[u][r].word[k];
+                        #pragma unroll
+                        for (int j = 0; j < 8; ++j) {
+                            dot += static_cast<float>((word >> (4 * j)) & 15u) * xs[k * 8 + j];
+                        }
+                    }
+                    acc[r] += sc[u][r] * dot + bc[u][r] * xsum;
+                }
+            }
+        }
+    } else {
+        for (int i = lane; i < IN; i += 32) {
+            const float xi = static_cast<float>(x[i * x_stride]);
+            #pragma unroll
+            for (int r = 0; r < ROWS; ++r) {
+                const unsigned int word = w[rows[r] * row_stride + (i / 8) * word_stride];
+                const float v = static_cast<float>((word >> (4 * (i % 8))) & 15u);
+                acc[r] += (group_scale(rows[r], i) * v + group_bias(rows[r], i)) * xi;
+            }
+        }
+    }
+"""
+
+# The warp's sums into y.
+_WRITE_ROWS = """
     #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
         #pragma unroll
@@ -176,6 +275,37 @@ class Tiling:
     unroll: int = 4
 
 
+@dataclass(frozen=True)
+class Packed4:
+    """A weight [out, in] quantized by MLX's affine mode at 4 bits: ``weight`` uint32
+    [out, in / 8], ``scales`` and ``biases`` [out, in / group_size]."""
+
+    weight: mx.array
+    scales: mx.array
+    biases: mx.array
+    group_size: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.weight.shape[0], self.weight.shape[1] * 8
+
+    def fits(self, dtype: mx.Dtype) -> bool:
+        """Whether the kernel reads these parts for a row of ``dtype``: groups of whole
+        16-byte chunks (32 values), scales and biases of the row's dtype, one per group."""
+        out_features, in_features = self.shape
+        groups = (out_features, in_features // self.group_size) if self.group_size > 0 else None
+        return (
+            self.weight.dtype == mx.uint32
+            and self.weight.ndim == 2
+            and self.group_size % 32 == 0
+            and in_features % self.group_size == 0
+            and self.scales.shape == self.biases.shape == groups
+            and self.scales.dtype == self.biases.dtype == dtype
+        )
+
+
+Weight = Union[mx.array, Packed4]
+
 # Off unless MLX_PTE_GEMV=1: the kernels have not yet run on a GPU (their CUDA tests,
 # tests/runtime/mlx/test_gemv.py, and the bench suite's gemv_forms step are what turn
 # them on by default). The bench also switches them in-process (enabled: both kernels;
@@ -190,44 +320,43 @@ _HEADER = """#include <cuda_bf16.h>
 #include <cuda_fp16.h>
 struct alignas(16) PteChunk { unsigned int word[4]; };
 """
-_kernels: dict[str, Callable] = {}
+_kernels: dict[tuple[bool, str], Callable] = {}
 
 
-def _kernel(kind: str) -> Callable:
-    """The kernel of ``kind``: "gemv", "norm" (rms_norm, then the gemv) or "add_norm" (a
-    residual add, rms_norm of the sum, then the gemv; the sum is a second output)."""
-    if kind not in _kernels:
-        if kind == "gemv":
-            inputs, outputs, source = ["w", "x"], ["y"], _ROW_FROM_INPUT + _DOT
+def _kernel(packed: bool, row: str) -> Callable:
+    """The kernel over a dense (or 4-bit ``packed``) weight whose row is ``row``: "input"
+    (x as given), "norm" (rms_norm of x) or "add_norm" (rms_norm of a residual add, whose
+    sum is a second output)."""
+    if (packed, row) not in _kernels:
+        if row == "input":
+            inputs, outputs, prologue = ["x"], ["y"], _ROW_FROM_INPUT
         else:
-            residual = kind == "add_norm"
+            residual = row == "add_norm"
             sum_row, write_sum = _SUM_ROW[residual]
-            inputs = ["w", "a", "b", "g"] if residual else ["w", "a", "g"]
+            inputs = ["a", "b", "g"] if residual else ["a", "g"]
             outputs = ["y", "total_row"] if residual else ["y"]
-            source = _ROW_FROM_NORM.format(sum_row=sum_row, write_sum=write_sum) + _DOT
-        _kernels[kind] = mx.fast.cuda_kernel(name=f"mlx_pte_{kind}_gemv", input_names=inputs, output_names=outputs,
-                                             source=source, header=_HEADER, ensure_row_contiguous=False)
-    return _kernels[kind]
+            prologue = _ROW_FROM_NORM.format(sum_row=sum_row, write_sum=write_sum)
+        weights, dot = (["w", "scales", "biases"], _AFFINE4_DOT) if packed else (["w"], _DENSE_DOT)
+        _kernels[packed, row] = mx.fast.cuda_kernel(
+            name=f"mlx_pte_{'q4_' if packed else ''}{row}_gemv", input_names=weights + inputs, output_names=outputs,
+            source=prologue + _WARP_ROWS + dot + _WRITE_ROWS, header=_HEADER, ensure_row_contiguous=False)
+    return _kernels[packed, row]
 
 
-def available(x: mx.array, weight: mx.array) -> bool:
+def available(x: mx.array, weight: Weight) -> bool:
     """Whether ``gemv`` runs ``x @ weight.T`` on this process's default device: the kernels
-    on, CUDA, one row of x (any leading axes of size 1), a 2-D weight of x's floating dtype."""
-    return (
-        enabled
-        and _ON_CUDA
-        and mx.default_device() == mx.gpu
-        and x.ndim >= 1
-        and x.size == x.shape[-1]
-        and weight.ndim == 2
-        and weight.shape[0] > 0
-        and weight.shape[1] == x.shape[-1] > 0
-        and x.dtype == weight.dtype
-        and x.dtype in DTYPES
-    )
+    on, CUDA, one row of x (any leading axes of size 1) of a floating dtype, and a 2-D
+    weight of that dtype (or 4-bit parts that ``Packed4.fits`` it)."""
+    if not (enabled and _ON_CUDA and mx.default_device() == mx.gpu and x.ndim >= 1 and x.dtype in DTYPES):
+        return False
+    if isinstance(weight, Packed4):
+        fits = weight.fits(x.dtype)
+    else:
+        fits = weight.ndim == 2 and weight.dtype == x.dtype
+    return fits and x.size == x.shape[-1] > 0 and weight.shape[0] > 0 and weight.shape[1] == x.shape[-1]
 
 
-def norm_available(x: mx.array, norm_weight: mx.array, weight: mx.array, residual: Optional[mx.array] = None) -> bool:
+def norm_available(x: mx.array, norm_weight: mx.array, weight: Weight, residual: Optional[mx.array] = None) -> bool:
     """Whether ``norm_gemv`` runs these operands here: ``available``'s rules, a norm weight
     (and residual) of x's shape and dtype, and a row that fits the block's shared memory."""
     return (
@@ -240,19 +369,22 @@ def norm_available(x: mx.array, norm_weight: mx.array, weight: mx.array, residua
     )
 
 
-def _call(kind: str, inputs: list[mx.array], weight: mx.array, extra: list, layout: Optional[Tiling],
+def _call(row_kind: str, inputs: list[mx.array], weight: Weight, extra: list, layout: Optional[Tiling],
           outputs: int = 1) -> list[mx.array]:
-    """The ``kind`` kernel over ``weight`` and ``inputs`` (the row first)."""
+    """The kernel with ``row_kind``'s row over ``weight`` and ``inputs`` (the row first)."""
     row = inputs[0]
     layout = layout or tiling
     out_features, in_features = weight.shape
+    packed = isinstance(weight, Packed4)
+    parts = [weight.weight, weight.scales, weight.biases] if packed else [weight]
+    group = [("GROUP", weight.group_size)] if packed else []
     blocks = -(-out_features // (layout.warps * layout.rows))
     # Leading axes of the row are all 1, so the flat rows the kernel writes are this shape.
     shapes = [(*row.shape[:-1], out_features), row.shape][:outputs]
-    return _kernel(kind)(
-        inputs=[weight, *inputs],
+    return _kernel(packed, row_kind)(
+        inputs=[*parts, *inputs],
         template=[("T", row.dtype), ("OUT", out_features), ("IN", in_features), ("WARPS", layout.warps),
-                  ("ROWS", layout.rows), ("UNROLL", layout.unroll), *extra],
+                  ("ROWS", layout.rows), ("UNROLL", layout.unroll), *group, *extra],
         grid=(blocks * 32 * layout.warps, 1, 1),
         threadgroup=(32 * layout.warps, 1, 1),
         output_shapes=shapes,
@@ -260,13 +392,14 @@ def _call(kind: str, inputs: list[mx.array], weight: mx.array, extra: list, layo
     )
 
 
-def gemv(x: mx.array, weight: mx.array, layout: Optional[Tiling] = None) -> mx.array:
+def gemv(x: mx.array, weight: Weight, layout: Optional[Tiling] = None) -> mx.array:
     """``x @ weight.T`` for one row x ([..., in], leading axes of size 1) and weight
-    [out, in]; the result has x's leading axes and ``out`` last, in x's dtype."""
-    return _call("gemv", [x], weight, [], layout)[0]
+    [out, in] (dense, or its 4-bit parts); the result has x's leading axes and ``out``
+    last, in x's dtype."""
+    return _call("input", [x], weight, [], layout)[0]
 
 
-def norm_gemv(x: mx.array, norm_weight: mx.array, eps: float, weight: mx.array,
+def norm_gemv(x: mx.array, norm_weight: mx.array, eps: float, weight: Weight,
               residual: Optional[mx.array] = None, layout: Optional[Tiling] = None) -> tuple[mx.array, mx.array]:
     """``rms_norm(h, norm_weight, eps) @ weight.T`` and ``h``, where h is ``x + residual``
     (rounded to x's dtype) or x itself: one kernel (``norm_available`` says where)."""

@@ -317,6 +317,7 @@ def test_cases_cover_the_catalog(programs):
     # them against HF); all_sum is inserted by sharding at load (test_tensor_parallel.py), the
     # fused norm-linears by ir.norm_linears at load (test_norm_linears.py).
     elsewhere = {"update_and_attend", "quantized_linear", "quantized_embedding", "experts", "quantized_experts",
-                 "topk", "all_sum", "rms_norm_linear", "add_rms_norm_linear"}
+                 "topk", "all_sum", "rms_norm_linear", "add_rms_norm_linear", "rms_norm_quantized_linear",
+                 "add_rms_norm_quantized_linear"}
     assert set(CATALOG) - emitted == elsewhere | UPSTREAM_ONLY
     assert not emitted & UPSTREAM_ONLY

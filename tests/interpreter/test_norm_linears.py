@@ -9,21 +9,25 @@ every Llama layer, the residual add joining the norm behind it) and only there.
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
 import mlx_pte.runtime.mlx.blas  # noqa: F401  (before mlx.core)
 import mlx.core as mx
 
+from mlx_pte.export.hf_export import export_hf
 from mlx_pte.interpreter import program as program_module
 from mlx_pte.interpreter.program import Program, load
 from mlx_pte.ir.catalog import validate_graph
 from mlx_pte.ir.graph import Graph, Instruction, SlotKind, SymDim, TensorType
 from mlx_pte.ir.norm_linears import fuse_norm_linears
-from tests.fixtures.exported import exported_pte
+from mlx_pte.ir.quantization import QuantSpec
+from tests.fixtures.exported import MAX_STEP, exported_pte
 from tests.interpreter.session_logits import logits_of
 
-FUSED = ("rms_norm_linear", "add_rms_norm_linear")
+FUSED = ("rms_norm_linear", "add_rms_norm_linear", "rms_norm_quantized_linear", "add_rms_norm_quantized_linear")
 T = SymDim("T", 1, 8)
 
 
@@ -56,6 +60,26 @@ def test_logits_equal_the_unrewritten_programs_exactly(tmp_path_factory, tiny_ch
     monkeypatch.setattr(program_module, "fuse_norm_linears", lambda graph: graph)
     plain = load(path)
     assert not set(FUSED) & set(ops(plain.run_graph))
+    np.testing.assert_array_equal(logits_of(rewritten, capture), logits_of(plain, capture))
+
+
+@pytest.fixture(scope="module")
+def llama_q4(tmp_path_factory, tiny_checkpoint) -> Path:
+    path = tmp_path_factory.mktemp("llama_q4") / "model.pte"
+    export_hf(tiny_checkpoint("llama"), path, max_step=MAX_STEP, progress=False, quantize=QuantSpec("affine", 4, 32))
+    return path
+
+
+@pytest.mark.parametrize("capture", [False, True])
+def test_quantized_linears_join_their_norms_with_the_same_logits(llama_q4, monkeypatch, capture):
+    rewritten = load(llama_q4)
+    loaded, layers = ops(rewritten.run_graph), ops(rewritten.graph).count("update_and_attend")
+    assert loaded.count("rms_norm_quantized_linear") == 2  # the first layer's input norm, the final norm
+    assert loaded.count("add_rms_norm_quantized_linear") == 2 * layers - 1
+    assert "rms_norm" not in loaded
+    validate_graph(rewritten.run_graph)
+    monkeypatch.setattr(program_module, "fuse_norm_linears", lambda graph: graph)
+    plain = load(llama_q4)
     np.testing.assert_array_equal(logits_of(rewritten, capture), logits_of(plain, capture))
 
 

@@ -171,3 +171,114 @@ def test_the_fused_norm_matches_the_ops_it_replaces(residual, tiling, dtype, out
     assert np.array_equal(np.array(total.astype(mx.float32)), np.array(h.astype(mx.float32)))
     normed = rms_norm_oracle(np.array(h.astype(mx.float32), dtype=np.float64), norm_weight, 1e-5, dtype)
     assert_close(got, normed, weight)
+
+
+# -- 4-bit affine weights (gemv.Packed4) ---------------------------------------------------
+def quantized(out_features: int, in_features: int, group_size: int, dtype: mx.Dtype, seed: int) -> gemv.Packed4:
+    """A random weight packed by MLX's own mx.quantize (affine, 4 bits)."""
+    rng = np.random.default_rng(seed)
+    weight = mx.array((rng.standard_normal((out_features, in_features)) / np.sqrt(in_features)).astype(np.float32))
+    packed, scales, biases = mx.quantize(weight.astype(dtype), group_size=group_size, bits=4)
+    return gemv.Packed4(packed, scales, biases, group_size)
+
+
+def dequantized(weight: gemv.Packed4) -> mx.array:
+    """The oracle's weight: MLX's own mx.dequantize, in float32 (no rounding of scale * v + bias)."""
+    return mx.dequantize(weight.weight, weight.scales.astype(mx.float32), weight.biases.astype(mx.float32),
+                         group_size=weight.group_size, bits=4)
+
+
+def test_packed_weights_fit_the_kernel_by_their_parts():
+    weight = quantized(8, 128, 64, mx.bfloat16, 0)
+    assert weight.shape == (8, 128) and weight.fits(mx.bfloat16)
+    assert not weight.fits(mx.float16)  # scales of another dtype than the row
+    # Scales for groups of 64 read as groups of 32: too few.
+    assert not gemv.Packed4(weight.weight, weight.scales, weight.biases, 32).fits(mx.bfloat16)
+    packed, scales, biases = mx.quantize(mx.ones((8, 128)), group_size=128, bits=8)
+    assert not gemv.Packed4(packed, scales, biases, 128).fits(mx.float32)  # 8-bit words: 4 values each
+
+
+def test_only_4_bit_affine_weights_reach_the_kernel(monkeypatch, kernels_on):
+    from mlx_pte.interpreter.handlers import _packed4
+
+    weight = quantized(8, 128, 64, mx.float32, 0)
+    parts = [weight.weight, weight.scales, weight.biases, None]
+    assert _packed4(parts, {"mode": "affine", "bits": 4, "group_size": 64}) is not None
+    assert _packed4(parts, {"mode": "affine", "bits": 8, "group_size": 64}) is None
+    assert _packed4([*parts[:2], None, None], {"mode": "mxfp4", "bits": 4, "group_size": 32}) is None
+
+
+@cuda_only
+@pytest.mark.parametrize("tiling", TILINGS, ids=str)
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16, mx.float32], ids=str)
+@pytest.mark.parametrize("out_features,in_features,group_size",
+                         [(3072, 2048, 64), (2048, 8192, 64), (40, 256, 32), (9, 384, 128), (5, 32, 32)])
+def test_q4_kernel_matches_dequantized_float64(tiling, dtype, out_features, in_features, group_size, kernels_on):
+    weight = quantized(out_features, in_features, group_size, dtype, out_features + in_features)
+    x = mx.array(np.random.default_rng(in_features).standard_normal((1, 1, in_features)).astype(np.float32)).astype(
+        dtype)  # fmt: skip
+    assert gemv.available(x, weight)
+    assert_close(gemv.gemv(x, weight, tiling), x, dequantized(weight))
+
+
+@cuda_only
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(out_features=st.integers(1, 200), groups=st.integers(1, 12), group_size=st.sampled_from([32, 64, 128]),
+       form=st.sampled_from(["contiguous", "row_slice", "strided_x"]), tiling=st.sampled_from(TILINGS))
+def test_q4_row_slices_and_strided_rows_match_float64(out_features, groups, group_size, form, tiling):
+    # A strided row takes the kernel's scalar loop; a slice of rows keeps the 16-byte loads.
+    in_features = groups * group_size
+    weight = quantized(out_features + 3, in_features, group_size, mx.bfloat16, out_features * 100 + groups)
+    if form == "row_slice":
+        weight = gemv.Packed4(weight.weight[3:], weight.scales[3:], weight.biases[3:], group_size)
+    rng = np.random.default_rng(groups)
+    x = mx.array(rng.standard_normal((1, 2 * in_features)).astype(np.float32)).astype(mx.bfloat16)
+    x = x[:, ::2] if form == "strided_x" else x[:, :in_features]
+    assert_close(gemv.gemv(x, weight, tiling), x, dequantized(weight))
+
+
+@cuda_only
+@pytest.mark.parametrize("residual", [False, True], ids=["norm", "add_norm"])
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32], ids=str)
+@pytest.mark.parametrize("out_features,in_features", [(3072, 2048), (512, 8192), (40, 256)])
+def test_the_fused_norm_over_q4_weights_matches_the_ops_it_replaces(residual, dtype, out_features, in_features,
+                                                                     kernels_on):
+    rng = np.random.default_rng(out_features + in_features)
+    cast = lambda a: mx.array(a.astype(np.float32)).astype(dtype)  # noqa: E731
+    x = cast(rng.standard_normal((1, 1, in_features)) * 3)
+    other = cast(rng.standard_normal((1, 1, in_features))) if residual else None
+    norm_weight = cast(1 + 0.1 * rng.standard_normal(in_features))
+    weight = quantized(out_features, in_features, 64, dtype, in_features)
+    assert gemv.norm_available(x, norm_weight, weight, other)
+    got, total = gemv.norm_gemv(x, norm_weight, 1e-5, weight, residual=other)
+    h = x if other is None else (x.astype(mx.float32) + other.astype(mx.float32)).astype(dtype)
+    assert np.array_equal(np.array(total.astype(mx.float32)), np.array(h.astype(mx.float32)))
+    normed = rms_norm_oracle(np.array(h.astype(mx.float32), dtype=np.float64), norm_weight, 1e-5, dtype)
+    assert_close(got, normed, dequantized(weight))
+
+
+@cuda_only
+@pytest.mark.parametrize("op", ["quantized_linear", "rms_norm_quantized_linear", "add_rms_norm_quantized_linear"])
+def test_the_quantized_handlers_take_the_kernel_for_one_row(op, monkeypatch, kernels_on):
+    rng = np.random.default_rng(7)
+    weight = quantized(384, 256, 64, mx.bfloat16, 7)
+    row = lambda: mx.array(rng.standard_normal((1, 1, 256)).astype(np.float32)).astype(mx.bfloat16)  # noqa: E731
+    x, other, norm_weight = row(), row(), mx.ones((256,), mx.bfloat16)
+    bias = mx.array(rng.standard_normal((384,)).astype(np.float32)).astype(mx.bfloat16)
+    parts = [weight.weight, weight.scales, weight.biases, bias]
+    attrs = {"mode": "affine", "bits": 4, "group_size": 64, "eps": 1e-5}
+    calls = []
+    for name in ("gemv", "norm_gemv"):
+        kernel = getattr(gemv, name)
+        monkeypatch.setattr(gemv, name, lambda *a, k=kernel, **kw: calls.append(a) or k(*a, **kw))
+    args = {"quantized_linear": [x, *parts], "rms_norm_quantized_linear": [x, norm_weight, *parts],
+            "add_rms_norm_quantized_linear": [x, other, norm_weight, *parts]}[op]
+    got = HANDLERS[op](args, attrs, RunContext())
+    got = got[0] if isinstance(got, tuple) else got
+    assert len(calls) == 1
+    # The oracle: MLX's own ops on the dequantized weight, the norm where the op has one.
+    h = x + other if op.startswith("add") else x
+    normed = h if op == "quantized_linear" else mx.fast.rms_norm(h, norm_weight, 1e-5)
+    want = oracle(normed, dequantized(weight)) + np.array(bias.astype(mx.float32), dtype=np.float64)
+    scale = max(float(np.abs(want).max()), 1.0)
+    assert float(np.abs(np.array(got.astype(mx.float32), dtype=np.float64) - want).max()) <= 2e-2 * scale
