@@ -316,30 +316,49 @@ tiling = Tiling()
 # Asked once: the checks run on every linear of a traced step.
 _ON_CUDA = mx.cuda.is_available()
 # PteChunk: 16 bytes, loaded and stored whole (one 128-bit access), with no vector type needed.
-_HEADER = """#include <cuda_bf16.h>
+HEADER = """#include <cuda_bf16.h>
 #include <cuda_fp16.h>
 struct alignas(16) PteChunk { unsigned int word[4]; };
 """
+ROW_KINDS = ("input", "norm", "add_norm")
+
+
+@dataclass(frozen=True)
+class KernelSource:
+    """What ``mx.fast.cuda_kernel`` is given for one kernel (``HEADER`` goes with each)."""
+
+    name: str
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    source: str
+
+
+def kernel_source(packed: bool, row: str) -> KernelSource:
+    """The kernel over a dense (or 4-bit ``packed``) weight whose row is ``row``, one of
+    ``ROW_KINDS``: "input" (x as given), "norm" (rms_norm of x) or "add_norm" (rms_norm of
+    a residual add, whose sum is a second output)."""
+    if row == "input":
+        inputs, outputs, prologue = ("x",), ("y",), _ROW_FROM_INPUT
+    else:
+        residual = row == "add_norm"
+        sum_row, write_sum = _SUM_ROW[residual]
+        inputs = ("a", "b", "g") if residual else ("a", "g")
+        outputs = ("y", "total_row") if residual else ("y",)
+        prologue = _ROW_FROM_NORM.format(sum_row=sum_row, write_sum=write_sum)
+    weights, dot = (("w", "scales", "biases"), _AFFINE4_DOT) if packed else (("w",), _DENSE_DOT)
+    return KernelSource(f"mlx_pte_{'q4_' if packed else ''}{row}_gemv", weights + inputs, outputs,
+                        prologue + _WARP_ROWS + dot + _WRITE_ROWS)
+
+
 _kernels: dict[tuple[bool, str], Callable] = {}
 
 
 def _kernel(packed: bool, row: str) -> Callable:
-    """The kernel over a dense (or 4-bit ``packed``) weight whose row is ``row``: "input"
-    (x as given), "norm" (rms_norm of x) or "add_norm" (rms_norm of a residual add, whose
-    sum is a second output)."""
     if (packed, row) not in _kernels:
-        if row == "input":
-            inputs, outputs, prologue = ["x"], ["y"], _ROW_FROM_INPUT
-        else:
-            residual = row == "add_norm"
-            sum_row, write_sum = _SUM_ROW[residual]
-            inputs = ["a", "b", "g"] if residual else ["a", "g"]
-            outputs = ["y", "total_row"] if residual else ["y"]
-            prologue = _ROW_FROM_NORM.format(sum_row=sum_row, write_sum=write_sum)
-        weights, dot = (["w", "scales", "biases"], _AFFINE4_DOT) if packed else (["w"], _DENSE_DOT)
+        spec = kernel_source(packed, row)
         _kernels[packed, row] = mx.fast.cuda_kernel(
-            name=f"mlx_pte_{'q4_' if packed else ''}{row}_gemv", input_names=weights + inputs, output_names=outputs,
-            source=prologue + _WARP_ROWS + dot + _WRITE_ROWS, header=_HEADER, ensure_row_contiguous=False)
+            name=spec.name, input_names=list(spec.inputs), output_names=list(spec.outputs), source=spec.source,
+            header=HEADER, ensure_row_contiguous=False)
     return _kernels[packed, row]
 
 
