@@ -48,13 +48,10 @@ TILINGS = (gemv.Tiling(), gemv.Tiling(4, 2, 8))
 def full_source(spec: gemv.KernelSource, function: str, dtypes: dict[str, mx.Dtype],
                 template: list[tuple[str, object]]) -> str:
     """``spec`` as MLX hands it to NVRTC: inputs of ``dtypes`` (all rank 2 or more)."""
-    params = []
-    for name in spec.inputs:
-        params.append(f"    const {CUDA_TYPES[dtypes[name]]}* {name},")
-        for suffix, kind in (("_shape", "Shape"), ("_strides", "Strides"), ("_ndim", "int")):
-            if name + suffix in spec.source:
-                params.append(f"    const __grid_constant__ {kind} {name}{suffix},")
-    params += [f"    {CUDA_TYPES[dtypes['y']]}* {name}," for name in spec.outputs]
+    declared = {"input": "const {}*", "output": "{}*", "shape": "const __grid_constant__ Shape",
+                "strides": "const __grid_constant__ Strides", "ndim": "const __grid_constant__ int"}
+    params = [f"    {declared[kind].format(CUDA_TYPES[dtypes.get(name, dtypes['y'])])} {name},"
+              for name, kind in spec.parameters()]
     params[-1] = params[-1][:-1] + ") {"
     constants = "".join(f"  using {k} = {CUDA_TYPES[v]};\n" if isinstance(v, mx.Dtype) else f"  constexpr int {k} = {v};\n"
                         for k, v in template)  # fmt: skip

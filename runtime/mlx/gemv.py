@@ -261,7 +261,8 @@ _WRITE_ROWS = """
 """
 
 DTYPES = (mx.float32, mx.float16, mx.bfloat16)
-# The fused norm stages the row in shared memory (48 KB a block, static).
+# The fused norm stages the row in static shared memory (CUDA allows 48 KB a block): rows
+# of up to 32 KB leave room for the block's other shared arrays.
 STAGED_BYTES = 32 * 1024
 
 
@@ -331,6 +332,18 @@ class KernelSource:
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
     source: str
+
+    def parameters(self) -> list[tuple[str, str]]:
+        """(name, kind) of the kernel function's parameters, in the order MLX 0.32's
+        ``cuda_kernel`` declares them (``mlx/backend/cuda/custom_kernel.cpp``): each input's
+        pointer ("input"), then its "shape", "strides" and "ndim" where the source reads
+        them; then each "output"'s pointer."""
+        params = []
+        for name in self.inputs:
+            params.append((name, "input"))
+            params += [(f"{name}_{kind}", kind) for kind in ("shape", "strides", "ndim")
+                       if f"{name}_{kind}" in self.source]
+        return params + [(name, "output") for name in self.outputs]
 
 
 def kernel_source(packed: bool, row: str) -> KernelSource:

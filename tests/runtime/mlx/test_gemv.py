@@ -1,12 +1,18 @@
 """The CUDA GEMV kernel (``runtime/mlx/gemv.py``) and the linear that takes it.
 
-The kernel runs only where MLX runs on CUDA; there (``bench/gpu_suite.sh`` step
-``gpu_tests``) its cases compare it with a float64 product in numpy over every tiling the
-bench sweeps, each dtype, row lengths that do and do not fill a 16-byte load, and weights
-that are strided views (a transposed or sliced weight takes the strided loop). Everywhere,
-the cases check which linears hand it their rows.
+The kernels' cases compare them with a float64 product in numpy (MLX's own dequantize for
+4-bit weights, MLX's casts for the norm's rounding) over the tilings the bench sweeps, each
+dtype, row lengths that do and do not fill a 16-byte load, and weights that are strided
+views (a transposed or sliced weight takes the strided loop). On CUDA (``bench/gpu_suite.sh``
+step ``gpu_tests``) the kernels run there, at the model's shapes too; elsewhere they run in
+``cuda_emulation`` (the same sources on CPU threads, 16-byte loads checked for alignment):
+the combinations that cover each tiling, dtype and shape once in ``make test``, every
+combination in ``make test-slow``. Everywhere, the cases check which linears hand them their
+rows.
 """
 from __future__ import annotations
+
+import itertools
 
 import numpy as np
 import pytest
@@ -18,9 +24,31 @@ import mlx.core as mx
 
 from mlx_pte.interpreter.handlers import HANDLERS, RunContext
 from mlx_pte.runtime.mlx import gemv
+from tests.runtime.mlx import cuda_emulation
 
 ON_CUDA = mx.cuda.is_available() and mx.default_device() == mx.gpu
 cuda_only = pytest.mark.skipif(not ON_CUDA, reason="the kernel runs on CUDA only")
+DTYPES = [mx.bfloat16, mx.float16, mx.float32]
+# Hypothesis examples: each is a kernel compiled anew (its shape is a template constant).
+EXAMPLES = 25 if ON_CUDA else 6
+
+
+def gpu_shapes(small: list, large: list) -> list:
+    """Shapes of a case: the model's (large) too where the kernels run on a GPU."""
+    return small + (large if ON_CUDA else [])
+
+
+def grid(*axes: list) -> list:
+    """Every combination of the axes' values, as parameters. Under the CPU emulation only the
+    combinations covering each value once are in ``make test``; the rest are slow."""
+    covering = {tuple(j % len(axis) for axis in axes) for j in range(max(map(len, axes)))}
+    params = []
+    for picks in itertools.product(*(range(len(axis)) for axis in axes)):
+        values = [axis[i] for axis, i in zip(axes, picks)]
+        slow = not ON_CUDA and picks not in covering
+        params.append(pytest.param(*values, marks=[pytest.mark.slow] if slow else [],
+                                   id="-".join(str(v).replace("mlx.core.", "") for v in values)))
+    return params
 
 # Relative to the largest |y|: float32 accumulates in a different order than numpy; the
 # half types also round the result to their 8 or 11 mantissa bits.
@@ -54,6 +82,19 @@ def kernels_on(monkeypatch):
     monkeypatch.setattr(gemv, "enabled", True)
 
 
+@pytest.fixture
+def gpu_kernels(monkeypatch, kernels_on):
+    """The kernels on and running: on CUDA, or in the CPU emulation (as if on a GPU)."""
+    if ON_CUDA:
+        return
+    if not cuda_emulation.available():
+        pytest.skip("no GPU, and no C++ compiler for the CUDA emulation")
+    monkeypatch.setattr(gemv, "_ON_CUDA", True)
+    monkeypatch.setattr(gemv.mx, "default_device", lambda: mx.Device(mx.gpu))
+    monkeypatch.setattr(gemv.mx.fast, "cuda_kernel", cuda_emulation.cuda_kernel)
+    monkeypatch.setattr(gemv, "_kernels", {})
+
+
 def test_the_kernels_are_off_unless_asked_for(monkeypatch):
     import importlib
 
@@ -82,11 +123,10 @@ def test_only_one_row_of_a_matching_dtype_is_taken(monkeypatch, kernels_on):
     assert not gemv.available(mx.ones((1, 1, 64), mx.bfloat16), weight)
 
 
-@cuda_only
-@pytest.mark.parametrize("tiling", TILINGS, ids=str)
-@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16, mx.float32], ids=str)
-@pytest.mark.parametrize("out_features,in_features", [(3072, 2048), (2048, 8192), (37, 264), (5, 8), (9, 100)])
-def test_kernel_matches_float64(tiling, dtype, out_features, in_features):
+@pytest.mark.parametrize("tiling,dtype,shape", grid(TILINGS, DTYPES, gpu_shapes(
+    [(37, 264), (5, 8), (9, 100), (40, 2048)], [(3072, 2048), (2048, 8192)])))
+def test_kernel_matches_float64(tiling, dtype, shape, gpu_kernels):
+    out_features, in_features = shape
     key = mx.random.key(out_features * 7 + in_features)
     kx, kw = mx.random.split(key)
     x = mx.random.normal((1, 1, in_features), key=kx).astype(dtype)
@@ -94,12 +134,12 @@ def test_kernel_matches_float64(tiling, dtype, out_features, in_features):
     assert_close(gemv.gemv(x, weight, tiling), x, weight)
 
 
-@cuda_only
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[
+    HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(out_features=st.integers(1, 300), in_features=st.integers(1, 600), form=st.sampled_from(
     ["contiguous", "transposed", "column_slice", "row_slice", "strided_x"]),
     tiling=st.sampled_from(TILINGS), dtype=st.sampled_from([mx.bfloat16, mx.float32]))
-def test_strided_weights_and_rows_match_float64(out_features, in_features, form, tiling, dtype):
+def test_strided_weights_and_rows_match_float64(out_features, in_features, form, tiling, dtype, gpu_kernels):
     rng = np.random.default_rng(out_features * 1000 + in_features)
     base = mx.array(rng.standard_normal((out_features + 3, in_features + 5)).astype(np.float32)).astype(dtype)
     x = mx.array(rng.standard_normal((1, in_features)).astype(np.float32)).astype(dtype)
@@ -115,9 +155,8 @@ def test_strided_weights_and_rows_match_float64(out_features, in_features, form,
     assert_close(gemv.gemv(x, weight, tiling), x, weight)
 
 
-@cuda_only
 @pytest.mark.parametrize("bias", [False, True])
-def test_the_linear_handler_takes_the_kernel_for_one_row(bias, monkeypatch, kernels_on):
+def test_the_linear_handler_takes_the_kernel_for_one_row(bias, monkeypatch, gpu_kernels):
     rng = np.random.default_rng(3)
     x = mx.array(rng.standard_normal((1, 1, 256)).astype(np.float32)).astype(mx.bfloat16)
     weight = mx.array(rng.standard_normal((384, 256)).astype(np.float32)).astype(mx.bfloat16)
@@ -153,12 +192,10 @@ def rms_norm_oracle(h: np.ndarray, weight: mx.array, eps: float, dtype: mx.Dtype
     return (rounded.astype(mx.float32) * weight.astype(mx.float32)).astype(dtype)
 
 
-@cuda_only
-@pytest.mark.parametrize("residual", [False, True], ids=["norm", "add_norm"])
-@pytest.mark.parametrize("tiling", TILINGS[:2], ids=str)
-@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16, mx.float32], ids=str)
-@pytest.mark.parametrize("out_features,in_features", [(3072, 2048), (512, 8192), (37, 264), (9, 100)])
-def test_the_fused_norm_matches_the_ops_it_replaces(residual, tiling, dtype, out_features, in_features, kernels_on):
+@pytest.mark.parametrize("residual,tiling,dtype,shape", grid([False, True], TILINGS[:2], DTYPES, gpu_shapes(
+    [(37, 264), (9, 100), (24, 8192)], [(3072, 2048), (512, 8192)])))
+def test_the_fused_norm_matches_the_ops_it_replaces(residual, tiling, dtype, shape, gpu_kernels):
+    out_features, in_features = shape
     rng = np.random.default_rng(out_features + in_features)
     cast = lambda a: mx.array(a.astype(np.float32)).astype(dtype)  # noqa: E731
     x = cast(rng.standard_normal((1, 1, in_features)) * 3)
@@ -208,12 +245,10 @@ def test_only_4_bit_affine_weights_reach_the_kernel(monkeypatch, kernels_on):
     assert _packed4([*parts[:2], None, None], {"mode": "mxfp4", "bits": 4, "group_size": 32}) is None
 
 
-@cuda_only
-@pytest.mark.parametrize("tiling", TILINGS, ids=str)
-@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16, mx.float32], ids=str)
-@pytest.mark.parametrize("out_features,in_features,group_size",
-                         [(3072, 2048, 64), (2048, 8192, 64), (40, 256, 32), (9, 384, 128), (5, 32, 32)])
-def test_q4_kernel_matches_dequantized_float64(tiling, dtype, out_features, in_features, group_size, kernels_on):
+@pytest.mark.parametrize("tiling,dtype,shape", grid(TILINGS, DTYPES, gpu_shapes(
+    [(40, 256, 32), (9, 384, 128), (5, 32, 32), (24, 2048, 64)], [(3072, 2048, 64), (2048, 8192, 64)])))
+def test_q4_kernel_matches_dequantized_float64(tiling, dtype, shape, gpu_kernels):
+    out_features, in_features, group_size = shape
     weight = quantized(out_features, in_features, group_size, dtype, out_features + in_features)
     x = mx.array(np.random.default_rng(in_features).standard_normal((1, 1, in_features)).astype(np.float32)).astype(
         dtype)  # fmt: skip
@@ -221,11 +256,11 @@ def test_q4_kernel_matches_dequantized_float64(tiling, dtype, out_features, in_f
     assert_close(gemv.gemv(x, weight, tiling), x, dequantized(weight))
 
 
-@cuda_only
-@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[
+    HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(out_features=st.integers(1, 200), groups=st.integers(1, 12), group_size=st.sampled_from([32, 64, 128]),
        form=st.sampled_from(["contiguous", "row_slice", "strided_x"]), tiling=st.sampled_from(TILINGS))
-def test_q4_row_slices_and_strided_rows_match_float64(out_features, groups, group_size, form, tiling):
+def test_q4_row_slices_and_strided_rows_match_float64(out_features, groups, group_size, form, tiling, gpu_kernels):
     # A strided row takes the kernel's scalar loop; a slice of rows keeps the 16-byte loads.
     in_features = groups * group_size
     weight = quantized(out_features + 3, in_features, group_size, mx.bfloat16, out_features * 100 + groups)
@@ -237,12 +272,10 @@ def test_q4_row_slices_and_strided_rows_match_float64(out_features, groups, grou
     assert_close(gemv.gemv(x, weight, tiling), x, dequantized(weight))
 
 
-@cuda_only
-@pytest.mark.parametrize("residual", [False, True], ids=["norm", "add_norm"])
-@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32], ids=str)
-@pytest.mark.parametrize("out_features,in_features", [(3072, 2048), (512, 8192), (40, 256)])
-def test_the_fused_norm_over_q4_weights_matches_the_ops_it_replaces(residual, dtype, out_features, in_features,
-                                                                     kernels_on):
+@pytest.mark.parametrize("residual,dtype,shape", grid([False, True], [mx.bfloat16, mx.float32], gpu_shapes(
+    [(40, 256), (12, 8192)], [(3072, 2048), (512, 8192)])))
+def test_the_fused_norm_over_q4_weights_matches_the_ops_it_replaces(residual, dtype, shape, gpu_kernels):
+    out_features, in_features = shape
     rng = np.random.default_rng(out_features + in_features)
     cast = lambda a: mx.array(a.astype(np.float32)).astype(dtype)  # noqa: E731
     x = cast(rng.standard_normal((1, 1, in_features)) * 3)
@@ -257,9 +290,8 @@ def test_the_fused_norm_over_q4_weights_matches_the_ops_it_replaces(residual, dt
     assert_close(got, normed, dequantized(weight))
 
 
-@cuda_only
 @pytest.mark.parametrize("op", ["quantized_linear", "rms_norm_quantized_linear", "add_rms_norm_quantized_linear"])
-def test_the_quantized_handlers_take_the_kernel_for_one_row(op, monkeypatch, kernels_on):
+def test_the_quantized_handlers_take_the_kernel_for_one_row(op, monkeypatch, gpu_kernels):
     rng = np.random.default_rng(7)
     weight = quantized(384, 256, 64, mx.bfloat16, 7)
     row = lambda: mx.array(rng.standard_normal((1, 1, 256)).astype(np.float32)).astype(mx.bfloat16)  # noqa: E731
@@ -282,3 +314,57 @@ def test_the_quantized_handlers_take_the_kernel_for_one_row(op, monkeypatch, ker
     want = oracle(normed, dequantized(weight)) + np.array(bias.astype(mx.float32), dtype=np.float64)
     scale = max(float(np.abs(want).max()), 1.0)
     assert float(np.abs(np.array(got.astype(mx.float32), dtype=np.float64) - want).max()) <= 2e-2 * scale
+
+
+# -- the CPU emulation's own checks ------------------------------------------------------------
+emulated = pytest.mark.skipif(ON_CUDA or not cuda_emulation.available(), reason="checks the CPU emulation")
+
+
+@emulated
+@pytest.mark.parametrize("form,loads", [
+    ("contiguous", True), ("row_slice", True), ("aligned_column_slice", True), ("transposed", False),
+    ("column_slice", False), ("strided_x", False), ("odd_length", False)])
+def test_the_16_byte_loads_are_taken_where_the_layout_allows(form, loads, gpu_kernels):
+    # bfloat16: 8 elements a load. A slice keeps the loads where its rows start on 16 bytes.
+    rng = np.random.default_rng(11)
+    cast = lambda a: mx.array(a.astype(np.float32)).astype(mx.bfloat16)  # noqa: E731
+    in_features = 100 if form == "odd_length" else 256
+    x = cast(rng.standard_normal((1, 2 * in_features)))
+    x = x[:, ::2] if form == "strided_x" else x[:, :in_features]
+    weight = {
+        "row_slice": lambda: cast(rng.standard_normal((30, in_features)))[6:],
+        "aligned_column_slice": lambda: cast(rng.standard_normal((24, in_features + 16)))[:, 8:in_features + 8],
+        "column_slice": lambda: cast(rng.standard_normal((24, in_features + 16)))[:, 5:in_features + 5],
+        "transposed": lambda: cast(rng.standard_normal((in_features, 24))).T,
+    }.get(form, lambda: cast(rng.standard_normal((24, in_features))))()
+    assert_close(gemv.gemv(x, weight), x, weight)
+    assert (cuda_emulation.last_launch.chunk_loads > 0) is loads
+
+
+@emulated
+@pytest.mark.parametrize("form,loads", [("contiguous", True), ("row_slice", True), ("strided_x", False)])
+def test_the_q4_kernel_loads_16_bytes_where_the_layout_allows(form, loads, gpu_kernels):
+    weight = quantized(30, 256, 64, mx.bfloat16, 12)
+    if form == "row_slice":
+        weight = gemv.Packed4(weight.weight[6:], weight.scales[6:], weight.biases[6:], 64)
+    x = mx.array(np.random.default_rng(12).standard_normal((1, 512)).astype(np.float32)).astype(mx.bfloat16)
+    x = x[:, ::2] if form == "strided_x" else x[:, :256]
+    assert_close(gemv.gemv(x, weight), x, dequantized(weight))
+    assert (cuda_emulation.last_launch.chunk_loads > 0) is loads
+
+
+@emulated
+def test_the_emulation_refuses_a_16_byte_load_the_gpu_would_fault_on():
+    kernel = cuda_emulation.cuda_kernel("misaligned", ["x"], ["y"], source="""
+        const PteChunk chunk = reinterpret_cast<const PteChunk*>(x + START)[0];
+        y[threadIdx.x] = reinterpret_cast<const T*>(&chunk)[threadIdx.x % 4];
+    """, header=gemv.HEADER, ensure_row_contiguous=False)
+    x = mx.arange(64, dtype=mx.float32)
+
+    def load(start: int) -> mx.array:
+        return kernel(inputs=[x], template=[("T", mx.float32), ("START", start)], grid=(32, 1, 1),
+                      threadgroup=(32, 1, 1), output_shapes=[(32,)], output_dtypes=[mx.float32])[0]
+
+    assert load(4).tolist() == [4.0 + i % 4 for i in range(32)]  # 16 bytes in: aligned
+    with pytest.raises(cuda_emulation.MisalignedLoad):
+        load(1)
