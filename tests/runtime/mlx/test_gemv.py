@@ -197,17 +197,26 @@ def rms_norm_oracle(h: np.ndarray, weight: mx.array, eps: float, dtype: mx.Dtype
 def test_the_fused_norm_matches_the_ops_it_replaces(residual, tiling, dtype, shape, gpu_kernels):
     out_features, in_features = shape
     rng = np.random.default_rng(out_features + in_features)
+    weight = mx.array((rng.standard_normal((out_features, in_features)) / np.sqrt(in_features)).astype(np.float32))
+    assert_fused_norm_matches(residual, dtype, weight.astype(dtype), weight.astype(dtype), tiling)
+
+
+def assert_fused_norm_matches(residual: bool, dtype: mx.Dtype, weight: gemv.Weight, dense: mx.array,
+                              tiling: gemv.Tiling | None = None) -> None:
+    """norm_gemv against rms_norm_oracle (of x + a residual, or of x) times ``dense`` (the
+    weight's values), and its sum output against MLX's add rounded to the dtype."""
+    in_features = dense.shape[1]
+    rng = np.random.default_rng(in_features)
     cast = lambda a: mx.array(a.astype(np.float32)).astype(dtype)  # noqa: E731
     x = cast(rng.standard_normal((1, 1, in_features)) * 3)
     other = cast(rng.standard_normal((1, 1, in_features))) if residual else None
     norm_weight = cast(1 + 0.1 * rng.standard_normal(in_features))
-    weight = cast(rng.standard_normal((out_features, in_features)) / np.sqrt(in_features))
     assert gemv.norm_available(x, norm_weight, weight, other)
     got, total = gemv.norm_gemv(x, norm_weight, 1e-5, weight, residual=other, layout=tiling)
     h = x if other is None else (x.astype(mx.float32) + other.astype(mx.float32)).astype(dtype)
     assert np.array_equal(np.array(total.astype(mx.float32)), np.array(h.astype(mx.float32)))
     normed = rms_norm_oracle(np.array(h.astype(mx.float32), dtype=np.float64), norm_weight, 1e-5, dtype)
-    assert_close(got, normed, weight)
+    assert_close(got, normed, dense)
 
 
 # -- 4-bit affine weights (gemv.Packed4) ---------------------------------------------------
@@ -275,19 +284,8 @@ def test_q4_row_slices_and_strided_rows_match_float64(out_features, groups, grou
 @pytest.mark.parametrize("residual,dtype,shape", grid([False, True], [mx.bfloat16, mx.float32], gpu_shapes(
     [(40, 256), (12, 8192)], [(3072, 2048), (512, 8192)])))
 def test_the_fused_norm_over_q4_weights_matches_the_ops_it_replaces(residual, dtype, shape, gpu_kernels):
-    out_features, in_features = shape
-    rng = np.random.default_rng(out_features + in_features)
-    cast = lambda a: mx.array(a.astype(np.float32)).astype(dtype)  # noqa: E731
-    x = cast(rng.standard_normal((1, 1, in_features)) * 3)
-    other = cast(rng.standard_normal((1, 1, in_features))) if residual else None
-    norm_weight = cast(1 + 0.1 * rng.standard_normal(in_features))
-    weight = quantized(out_features, in_features, 64, dtype, in_features)
-    assert gemv.norm_available(x, norm_weight, weight, other)
-    got, total = gemv.norm_gemv(x, norm_weight, 1e-5, weight, residual=other)
-    h = x if other is None else (x.astype(mx.float32) + other.astype(mx.float32)).astype(dtype)
-    assert np.array_equal(np.array(total.astype(mx.float32)), np.array(h.astype(mx.float32)))
-    normed = rms_norm_oracle(np.array(h.astype(mx.float32), dtype=np.float64), norm_weight, 1e-5, dtype)
-    assert_close(got, normed, dequantized(weight))
+    weight = quantized(*shape, 64, dtype, shape[1])
+    assert_fused_norm_matches(residual, dtype, weight, dequantized(weight))
 
 
 @pytest.mark.parametrize("op", ["quantized_linear", "rms_norm_quantized_linear", "add_rms_norm_quantized_linear"])
