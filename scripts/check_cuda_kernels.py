@@ -39,7 +39,6 @@ from mlx_pte.runtime.mlx import gemv  # noqa: E402
 
 # MLX's own header before every kernel's (custom_kernel.cpp's default_header).
 MLX_HEADER = '#include "mlx/backend/cuda/device/utils.cuh"\n\n#include <cooperative_groups.h>\n\n'
-CUDA_TYPES = {mx.float32: "float", mx.float16: "__half", mx.bfloat16: "__nv_bfloat16", mx.uint32: "uint32_t"}
 # (out, in) shapes: aligned for the 16-byte loads, odd, and the longest rows a norm stages.
 SHAPES = ((3072, 2048), (37, 256), (2048, 8192))
 TILINGS = (gemv.Tiling(), gemv.Tiling(4, 2, 8))
@@ -48,13 +47,17 @@ TILINGS = (gemv.Tiling(), gemv.Tiling(4, 2, 8))
 def full_source(spec: gemv.KernelSource, function: str, dtypes: dict[str, mx.Dtype],
                 template: list[tuple[str, object]]) -> str:
     """``spec`` as MLX hands it to NVRTC: inputs of ``dtypes`` (all rank 2 or more)."""
-    declared = {"input": "const {}*", "output": "{}*", "shape": "const __grid_constant__ Shape",
-                "strides": "const __grid_constant__ Strides", "ndim": "const __grid_constant__ int"}
-    params = [f"    {declared[kind].format(CUDA_TYPES[dtypes.get(name, dtypes['y'])])} {name},"
-              for name, kind in spec.parameters()]
+    declared = {"shape": "const __grid_constant__ Shape", "strides": "const __grid_constant__ Strides",
+                "ndim": "const __grid_constant__ int"}
+    params = []
+    for name, kind in spec.parameters():
+        if kind in ("input", "output"):
+            const = "const " if kind == "input" else ""
+            params.append(f"    {const}{gemv.CUDA_TYPES[dtypes[name]]}* {name},")
+        else:
+            params.append(f"    {declared[kind]} {name},")
     params[-1] = params[-1][:-1] + ") {"
-    constants = "".join(f"  using {k} = {CUDA_TYPES[v]};\n" if isinstance(v, mx.Dtype) else f"  constexpr int {k} = {v};\n"
-                        for k, v in template)  # fmt: skip
+    constants = gemv.template_declarations(template, "  ")
     return (MLX_HEADER + gemv.HEADER + "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n"
             f"__global__ void {function}(\n" + "\n".join(params) + "\n" + constants + "\n" + spec.source
             + "\n}\n\n} // namespace mlx::core::cu\n")

@@ -322,6 +322,15 @@ HEADER = """#include <cuda_bf16.h>
 struct alignas(16) PteChunk { unsigned int word[4]; };
 """
 ROW_KINDS = ("input", "norm", "add_norm")
+# The C++ types of the dtypes these kernels see, as MLX names them in a kernel's source.
+CUDA_TYPES = {mx.float32: "float", mx.float16: "__half", mx.bfloat16: "__nv_bfloat16", mx.uint32: "uint32_t"}
+
+
+def template_declarations(template: list[tuple[str, object]], indent: str) -> str:
+    """``mx.fast.cuda_kernel``'s template arguments as the lines it puts before the source:
+    a dtype as a type alias, a number as a constant."""
+    return "".join(f"{indent}using {k} = {CUDA_TYPES[v]};\n" if isinstance(v, mx.Dtype)
+                   else f"{indent}constexpr int {k} = {v};\n" for k, v in template)
 
 
 @dataclass(frozen=True)

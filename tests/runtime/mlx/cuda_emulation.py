@@ -42,7 +42,6 @@ import mlx.core as mx
 from mlx_pte.runtime.mlx import gemv
 
 COMPILER = shutil.which("g++")
-CUDA_TYPES = {mx.float32: "float", mx.float16: "__half", mx.bfloat16: "__nv_bfloat16", mx.uint32: "uint32_t"}
 # How each dtype's elements are held in numpy (bfloat16 as its bits).
 NUMPY_TYPES = {mx.float32: np.float32, mx.float16: np.float16, mx.bfloat16: np.uint16, mx.uint32: np.uint32}
 GPU_ALIGNMENT = 256
@@ -210,8 +209,10 @@ def emulated_header() -> str:
     return _CHECKED_CHUNK
 
 
-# How the parameters besides the arrays' pointers are passed here.
-_EMULATED_TYPES = {"shape": "const int32_t*", "strides": "const int64_t*", "ndim": "int"}
+# How the parameters besides the arrays' pointers are passed here: (C++ type, the field of
+# the launch's Arguments that holds one per array).
+_EMULATED_PARAMETERS = {"shape": ("const int32_t*", "shapes"), "strides": ("const int64_t*", "strides"),
+                        "ndim": ("int", "ndims")}
 
 
 def _program(spec: gemv.KernelSource, dtypes: dict[str, mx.Dtype], template: Sequence[tuple[str, object]]) -> str:
@@ -220,15 +221,15 @@ def _program(spec: gemv.KernelSource, dtypes: dict[str, mx.Dtype], template: Seq
     for name, kind in spec.parameters():
         if kind in ("input", "output"):
             index += 1
-            ctype = CUDA_TYPES[dtypes[name]]
+            ctype = gemv.CUDA_TYPES[dtypes[name]]
             const = "const " if kind == "input" else ""
             params.append(f"{const}{ctype}* {name}")
-            args.append(f"static_cast<{const}{ctype}*>(data[{index}])")
+            args.append(f"static_cast<{const}{ctype}*>(a.data[{index}])")
         else:
-            params.append(f"{_EMULATED_TYPES[kind]} {name}")
-            args.append(f"{kind}[{index}]")
-    constants = "".join(f"    using {k} = {CUDA_TYPES[v]};\n" if isinstance(v, mx.Dtype)
-                        else f"    constexpr int {k} = {v};\n" for k, v in template)
+            ctype, field = _EMULATED_PARAMETERS[kind]
+            params.append(f"{ctype} {name}")
+            args.append(f"a.{field}[{index}]")
+    constants = gemv.template_declarations(list(template), "    ")
     return (
         _DECLARATIONS + emulated_header() + "\n\n"
         + f"static void kernel({', '.join(params)}) {{\n{constants}{spec.source}\n}}\n\n"
@@ -236,8 +237,6 @@ def _program(spec: gemv.KernelSource, dtypes: dict[str, mx.Dtype], template: Seq
         + " const int* ndims; };\n\n"
         + "static void body(void* context) {\n"
         + "    const Arguments& a = *static_cast<const Arguments*>(context);\n"
-        + "    void* const* data = a.data; const int64_t* const* strides = a.strides;\n"
-        + "    const int32_t* const* shape = a.shapes; const int* ndim = a.ndims;\n"
         + f"    kernel({', '.join(args)});\n}}\n\n"
         + 'extern "C" int pte_launch(void* const* data, const int64_t* const* strides, const int32_t* const* shapes,\n'
         + "                          const int* ndims, int blocks, int threads) {\n"
@@ -263,7 +262,9 @@ def _compiled(program: str, mode: int = ctypes.DEFAULT_MODE) -> ctypes.CDLL:
     if key not in _libraries:
         source, library = _build_dir() / f"{key}.cpp", _build_dir() / f"{key}.so"
         source.write_text(program)
-        subprocess.run([COMPILER, *_FLAGS, "-o", str(library), str(source)], check=True, capture_output=True)
+        built = subprocess.run([COMPILER, *_FLAGS, "-o", str(library), str(source)], capture_output=True, text=True)
+        if built.returncode:
+            raise RuntimeError(f"{COMPILER} could not build {source}:\n{built.stderr}")
         _libraries[key] = ctypes.CDLL(str(library), mode=mode)
     return _libraries[key]
 

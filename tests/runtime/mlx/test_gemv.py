@@ -28,7 +28,7 @@ from tests.runtime.mlx import cuda_emulation
 
 ON_CUDA = mx.cuda.is_available() and mx.default_device() == mx.gpu
 cuda_only = pytest.mark.skipif(not ON_CUDA, reason="the kernel runs on CUDA only")
-DTYPES = [mx.bfloat16, mx.float16, mx.float32]
+DTYPES = list(gemv.DTYPES)
 # Hypothesis examples: each is a kernel compiled anew (its shape is a template constant).
 EXAMPLES = 25 if ON_CUDA else 6
 
