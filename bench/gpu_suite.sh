@@ -35,7 +35,9 @@
 #                      vs mlx-lm; with BASELINE=CHECKOUT also mlx-pte from that checkout (mlx-pte-base).
 #                      Other steps run the kernels where the caller sets MLX_PTE_GEMV=1
 #   gpu_tests.log      the tests that run only on CUDA (tests/runtime/mlx/test_decode_attention.py,
-#                      test_gemv.py; GPU_TESTS=FILES for some), on the GPU
+#                      test_gemv.py; GPU_TESTS=FILES for some), on the GPU: the default cases;
+#                      GPU_MARK=slow runs test_gemv's other kernel combinations instead, in a call of
+#                      their own (each case compiles its kernel, about 2.5 s on an H100 host)
 #   profile_b64.log    per decode step of 64 requests (launch thread, the GPU's default): batched-sequence,
 #                      the same with its decode kernel off (masked SDPA), and batched-cell
 #   graphs_off.log     prompt 128, 128 generated, bf16: mlx-pte inline and on a thread with MLX_USE_CUDA_GRAPHS=0
@@ -138,7 +140,7 @@ step gemv_forms 300 env MLX_PTE_GEMV=1 "$PY" bench/gpu_decode.py "${PTES[@]}" "$
 step encode 120 bash -c '"$@" && MLX_USE_CUDA_GRAPHS=0 "$@"' _ "$PY" bench/gpu_encode.py --site "$SITE"
 # pytest and hypothesis come as wheels in .whl/ with MLX's; --noconftest: the suite's fixtures need the
 # exporter; -P and append: the checkout's own mlx_pte/ (a shim) must not shadow the installed layout.
-step gpu_tests 360 env PYTHONPATH="$SITE:/tmp/gpu_decode/src" "$PY" -P -m pytest -q -p no:cacheprovider --noconftest \
-    --import-mode=append \
+step gpu_tests 540 env PYTHONPATH="$SITE:/tmp/gpu_decode/src" "$PY" -P -m pytest -q -p no:cacheprovider --noconftest \
+    --import-mode=append -m "${GPU_MARK:-not slow}" \
     ${GPU_TESTS:-tests/runtime/mlx/test_gemv.py tests/runtime/mlx/test_decode_attention.py}
 grep -h -A3 "median of per-round" "$OUT"/decode_*.log

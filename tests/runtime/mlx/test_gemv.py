@@ -5,10 +5,11 @@ The kernels' cases compare them with a float64 product in numpy (MLX's own dequa
 dtype, row lengths that do and do not fill a 16-byte load, and weights that are strided
 views (a transposed or sliced weight takes the strided loop). On CUDA (``bench/gpu_suite.sh``
 step ``gpu_tests``) the kernels run there, at the model's shapes too; elsewhere they run in
-``cuda_emulation`` (the same sources on CPU threads, 16-byte loads checked for alignment):
-the combinations that cover each tiling, dtype and shape once in ``make test``, every
-combination in ``make test-slow``. Everywhere, the cases check which linears hand them their
-rows.
+``cuda_emulation`` (the same sources on CPU threads, 16-byte loads checked for alignment).
+Either way the combinations that cover each tiling, dtype and shape once are the default
+run, every combination the slow one (``-m slow``): each case compiles its kernel anew, about
+2.5 s on a GPU host, so all of them would outlast one device call. Everywhere, the cases
+check which linears hand them their rows.
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ ON_CUDA = mx.cuda.is_available() and mx.default_device() == mx.gpu
 cuda_only = pytest.mark.skipif(not ON_CUDA, reason="the kernel runs on CUDA only")
 DTYPES = list(gemv.DTYPES)
 # Hypothesis examples: each is a kernel compiled anew (its shape is a template constant).
-EXAMPLES = 25 if ON_CUDA else 6
+EXAMPLES = 12 if ON_CUDA else 6
 
 
 def gpu_shapes(small: list, large: list) -> list:
@@ -39,14 +40,13 @@ def gpu_shapes(small: list, large: list) -> list:
 
 
 def grid(*axes: list) -> list:
-    """Every combination of the axes' values, as parameters. Under the CPU emulation only the
-    combinations covering each value once are in ``make test``; the rest are slow."""
+    """Every combination of the axes' values, as parameters: those covering each value once,
+    and the rest marked slow."""
     covering = {tuple(j % len(axis) for axis in axes) for j in range(max(map(len, axes)))}
     params = []
     for picks in itertools.product(*(range(len(axis)) for axis in axes)):
         values = [axis[i] for axis, i in zip(axes, picks)]
-        slow = not ON_CUDA and picks not in covering
-        params.append(pytest.param(*values, marks=[pytest.mark.slow] if slow else [],
+        params.append(pytest.param(*values, marks=[] if picks in covering else [pytest.mark.slow],
                                    id="-".join(str(v).replace("mlx.core.", "") for v in values)))
     return params
 
