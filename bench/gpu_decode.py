@@ -23,7 +23,8 @@ checkpoint made here; mlx-lm's rows for q8/q4 quantize it in-process with
 ``--wheels DIR`` holds MLX's CUDA wheel (whole, or split as cuda.part.NN) and the mlx, mlx-lm
 wheels, installed into ``--site``; with it, MLX must then run on the GPU or the script stops.
 
-Rows: mlx-pte captured (``mlx-pte``) and walked (``mlx-pte-walk``) per ``--capture``, the
+Rows: mlx-pte captured (``mlx-pte``) and walked (``mlx-pte-walk``) per ``--capture``, both
+launched inline (a GPU's default is the launcher thread: ``--threaded``'s ``mlx-pte-thread``), the
 whole-step prototype (``--whole-step``), mlx-lm, HF eager (a loop of forwards with its
 dynamic cache) and HF static (``generate`` with a static cache, which transformers
 compiles). Every engine decodes greedily from the same random prompt ids without stopping

@@ -68,9 +68,10 @@ DEFAULT_MAX_STEP = {"cpu": 256, "gpu": 2048}
 # How steps are handed to MLX when none is asked for, per device (``runtime.mlx.launcher``).
 # On the CPU the launcher thread shares the cores with the compute: SmolLM2-135M decoded
 # 0.94x as fast with it (bench/decode.py --launch inline,thread, 5 rounds). A GPU's decode
-# step is host-bound, and overlapping its encode with the next build pays: on an H100,
-# Llama-3.2-1B B=1 decode ran 1.11x (bf16) and 1.34x (q4) as fast on the thread, and the
-# engine end to end 1.38-1.60x at B=8-64 (bench/gpu_suite.sh steps launch, launch_batches).
+# step is host-bound, and overlapping its encode with the next build pays: on H100s,
+# Llama-3.2-1B B=1 decode ran 1.11-1.35x (bf16) and 1.34-1.47x (q4) as fast on the thread,
+# and the engine end to end 1.38-1.60x at B=8-64 (bench/gpu_suite.sh steps launch,
+# launch_batches, gemv_forms).
 DEFAULT_LAUNCH = {"cpu": "inline", "gpu": "thread"}
 
 

@@ -307,10 +307,11 @@ class Packed4:
 
 Weight = Union[mx.array, Packed4]
 
-# Off unless MLX_PTE_GEMV=1: the kernels have not yet run on a GPU (their CUDA tests,
-# tests/runtime/mlx/test_gemv.py, and the bench suite's gemv_forms step are what turn
-# them on by default). The bench also switches them in-process (enabled: both kernels;
-# norm_enabled: the fused norm only) to time MLX's ops in the same run.
+# Off unless MLX_PTE_GEMV=1. On an H100 they cut a Llama-3.2-1B decode step's kernel time
+# but not its wall time where the host bounds the step (bench/gpu_suite.sh gemv_forms: 1.01x,
+# bf16 and q4): a kernel node costs the host more to launch than MLX's matmul. They go on
+# by default once a GPU-bound host shows them ahead. The bench also switches them in-process
+# (enabled: both kernels; norm_enabled: the fused norm only) to time MLX's ops in the same run.
 enabled = os.environ.get("MLX_PTE_GEMV") == "1"
 norm_enabled = True
 tiling = Tiling()
