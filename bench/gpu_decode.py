@@ -46,6 +46,7 @@ import argparse
 import gzip
 import json
 import os
+import platform
 import shutil
 import site
 import subprocess
@@ -157,14 +158,26 @@ def gunzip(path: Path, work: Path) -> Path:
 
 
 def check_mlx_device(wheels: bool) -> str:
-    """MLX's device, after checking that installed wheels did give MLX the GPU."""
+    """MLX's device and the host's CPU (a host-bound step's ratios move with it), after
+    checking that installed wheels did give MLX the GPU."""
     import mlx.core as mx
 
     device = mx.default_device()
     if wheels and device != mx.gpu:
         raise SystemExit(f"error: MLX {mx.__version__} (from {Path(mx.__file__).parent}) runs on {device}, not the "
                          "GPU: check that --wheels holds MLX's CUDA wheel (mlx_cuda_*, or cuda.part.NN)")
-    return str(device)
+    return f"{device} (host: {host_cpu()}, {os.cpu_count()} threads)"
+
+
+def host_cpu() -> str:
+    """The CPU's model name, as /proc/cpuinfo gives it (Linux), else the platform's word."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
 
 
 Runner = Callable[[], Rates]  # one timed run of an engine, warmed up already
