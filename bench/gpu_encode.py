@@ -114,7 +114,7 @@ def main() -> None:
     parser.add_argument("--nodes", type=int, default=400, help="nodes per chain")
     parser.add_argument("--repeats", type=int, default=30, help="timed chains per kind (median)")
     args = parser.parse_args()
-    from gpu_decode import install_mlx, project_root
+    from gpu_setup import install_mlx, project_root
 
     if args.wheels:
         install_mlx(args.wheels, args.site)

@@ -95,7 +95,7 @@ def main() -> None:
     parser.add_argument("--q4", action="store_true", help="also MLX's quantized_matmul, 4 bits, group 64, and the "
                         "kernel on the same packed weights (each tiling, and with the fused norm)")
     args = parser.parse_args()
-    from gpu_decode import install_mlx, project_root
+    from gpu_setup import install_mlx, project_root
 
     if args.wheels:
         install_mlx(args.wheels, args.site)
@@ -105,7 +105,7 @@ def main() -> None:
     import mlx_pte.runtime.mlx.blas  # noqa: F401  (before mlx.core)
     import mlx.core as mx
 
-    from gpu_decode import check_mlx_device
+    from gpu_setup import check_mlx_device
     from mlx_pte.runtime.mlx import gemv
 
     check_mlx_device(args.wheels is not None)

@@ -29,7 +29,7 @@ from typing import Callable
 
 import numpy as np
 
-from gpu_decode import add_device_arguments, check_mlx_device, gunzip, install_mlx, make_checkpoint, project_root
+from gpu_setup import add_device_arguments, check_mlx_device, gunzip, install_mlx, make_checkpoint, project_root
 from variants import bits_of, load_mlx_lm, parse_pte
 
 

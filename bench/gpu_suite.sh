@@ -85,7 +85,7 @@ done
     # Once: the wheels, the device check and the checkpoint; the steps below reuse them.
     (cd bench && "$PY" -c "
 import sys; from pathlib import Path
-from gpu_decode import install_mlx, make_checkpoint, project_root
+from gpu_setup import install_mlx, make_checkpoint, project_root
 install_mlx(Path('../.whl'), Path('$SITE')); make_checkpoint(Path('$HF')); project_root(Path('/tmp/gpu_decode/src'))
 sys.path.insert(0, '$SITE'); import mlx.core as mx
 print('MLX', mx.__version__, 'on', mx.default_device()); sys.exit(mx.default_device() != mx.gpu)")

@@ -55,7 +55,7 @@ def main() -> None:
     k = mx.fast.rope(mx.random.normal((1, heads, batch, dim)).astype(dtype), dim, traditional=False,
                      base=500000.0, scale=1.0, offset=0)
     v = mx.random.normal((1, batch, heads * dim)).astype(dtype).reshape(1, batch, heads, dim).transpose(0, 2, 1, 3)
-    from gpu_decode import project_root
+    from gpu_setup import project_root
 
     sys.path.insert(1, str(project_root(Path(tempfile.mkdtemp(prefix="kv_write-")))))
     from mlx_pte.runtime.mlx import Pool

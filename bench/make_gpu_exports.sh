@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The exports bench/gpu_suite.sh runs on the device, made here (where torch/executorch
 # are) with the current exporter and its defaults (no --max-step): a Llama-3.2-1B-shaped
-# checkpoint with zero weights (bench/gpu_decode.py's make_checkpoint), exported in
+# checkpoint with zero weights (bench/gpu_setup.py's make_checkpoint), exported in
 # bfloat16 and q4 (group 64), gzipped (zeros compress to almost nothing) into .gpu/.
 #
 #   bench/make_gpu_exports.sh            # .gpu/llama1b-bf16.pte.gz, .gpu/llama1b-q4.pte.gz
@@ -17,7 +17,7 @@ NAME=${NAME:-llama1b}
 CKPT=${CKPT:-/tmp/make_gpu_exports/$NAME}
 mkdir -p "$OUT_DIR" "$(dirname "$CKPT")"
 if [ ! -f "$CKPT/config.json" ]; then
-    (cd bench && "../$PY" -c "import sys; from pathlib import Path; from gpu_decode import make_checkpoint; make_checkpoint(Path(sys.argv[1]))" "$CKPT")
+    (cd bench && "../$PY" -c "import sys; from pathlib import Path; from gpu_setup import make_checkpoint; make_checkpoint(Path(sys.argv[1]))" "$CKPT")
 fi
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT

@@ -18,7 +18,7 @@ embedding is the unit vector at t mod hidden, which the residual stream carries 
 maps token t to the next token v with 7v = t (mod hidden), so greedy decode walks through
 different tokens, and different prompts decode through different expert sets.
 
-``--wheels DIR`` / ``--site`` install MLX's CUDA wheel and mlx, mlx-lm as bench/gpu_decode.py
+``--wheels DIR`` / ``--site`` install MLX's CUDA wheel and mlx, mlx-lm as bench/gpu_setup.py
 does. Rounds are interleaved (mlx-pte, mlx-lm, mlx-pte, ...) so drift on a shared machine
 hits both; the table gives each engine's median decode tok/s and the median of the
 per-round ratios mlx-pte / mlx-lm (> 1: mlx-pte is faster).
@@ -37,7 +37,7 @@ from typing import Callable
 
 import numpy as np
 
-from gpu_decode import REPO, check_mlx_device, gunzip, install_mlx, project_root
+from gpu_setup import REPO, check_mlx_device, gunzip, install_mlx, project_root
 
 SHAPES = {
     # Qwen3-30B-A3B's layers: 128 experts of width 768, top 8, GQA 32 over 4 heads of 128.

@@ -27,7 +27,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--launch", default="inline", choices=("inline", "thread"))
     args = parser.parse_args()
-    from gpu_decode import gunzip, project_root  # bench/, beside this script
+    from gpu_setup import gunzip, project_root  # bench/, beside this script
 
     args.work.mkdir(parents=True, exist_ok=True)
     # The device machine has no install of mlx_pte: gpu_decode lays this checkout out as one.
