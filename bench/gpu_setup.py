@@ -72,25 +72,34 @@ def project_root(dest: Path, checkout: Path = REPO) -> Path:
 
 def make_checkpoint(out: Path) -> Path:
     """A Llama-3.2-1B-shaped bf16 checkpoint with zero weights (no download)."""
-    import torch
     from transformers import LlamaConfig, LlamaForCausalLM
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
     if (out / "config.json").exists():
         return out
     config = LlamaConfig(**LLAMA_1B)
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config)
-    model = model.to_empty(device="cpu").to(torch.bfloat16)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.zero_()
+    model = zero_weight_model(LlamaForCausalLM, config)
     model.model.rotary_emb = LlamaRotaryEmbedding(config=config)  # its buffer was left empty
     model.eval().save_pretrained(out)
     tokenizer = REPO / "models" / "default"
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         shutil.copy(tokenizer / name, out / name)
     return out
+
+
+def zero_weight_model(model_class, config):
+    """``model_class(config)`` in bfloat16 with every parameter zero, built on the meta device
+    so no random initialization runs (its rotary buffers are left empty: the caller rebuilds
+    them)."""
+    import torch
+
+    with torch.device("meta"):
+        model = model_class(config)
+    model = model.to_empty(device="cpu").to(torch.bfloat16)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    return model
 
 
 def gunzip(path: Path, work: Path) -> Path:

@@ -35,9 +35,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
-import numpy as np
 
-from gpu_setup import REPO, check_mlx_device, gunzip, install_mlx, project_root
+from gpu_setup import REPO, check_mlx_device, gunzip, install_mlx, project_root, zero_weight_model
 
 SHAPES = {
     # Qwen3-30B-A3B's layers: 128 experts of width 768, top 8, GQA 32 over 4 heads of 128.
@@ -61,12 +60,8 @@ def make_checkpoint(out: Path, shape: str, layers: int) -> Path:
         return out
     config = Qwen3MoeConfig(**SHAPES[shape], num_hidden_layers=layers, max_position_embeddings=4096,
                             tie_word_embeddings=False, bos_token_id=0, eos_token_id=1, pad_token_id=2)  # fmt: skip
-    with torch.device("meta"):
-        model = Qwen3MoeForCausalLM(config)
-    model = model.to_empty(device="cpu").to(torch.bfloat16)
+    model = zero_weight_model(Qwen3MoeForCausalLM, config)
     with torch.no_grad():
-        for p in model.parameters():
-            p.zero_()
         spread_routing(model, config)
     model.model.rotary_emb = type(model.model.rotary_emb)(config=config)  # its buffer was left empty
     model.eval().save_pretrained(out)
