@@ -108,10 +108,10 @@ def main() -> None:
     from gpu_setup import check_mlx_device
     from mlx_pte.runtime.mlx import gemv
 
-    check_mlx_device(args.wheels is not None)
+    device = check_mlx_device(args.wheels is not None)
     peak = args.peak or peak_bandwidth()
     tilings = parse_tilings(args.tilings)
-    print(f"MLX {mx.__version__} on {mx.default_device()}; GB/s against {peak:.0f}")
+    print(f"MLX {mx.__version__} on {device}; GB/s against {peak:.0f}")
     print(f"{'out x in':>14} {'copies':>6} {'impl':<22} {'us':>8} {'GB/s':>8} {'of peak':>8}")
     for out, inn in SHAPES:
         nbytes = 2 * (out * inn + out + inn)

@@ -35,7 +35,6 @@ import time
 from pathlib import Path
 from typing import Callable
 
-
 from gpu_setup import REPO, check_mlx_device, gunzip, install_mlx, project_root, zero_weight_model
 
 SHAPES = {

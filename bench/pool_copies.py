@@ -30,7 +30,7 @@ def main() -> None:
     from gpu_setup import gunzip, project_root  # bench/, beside this script
 
     args.work.mkdir(parents=True, exist_ok=True)
-    # The device machine has no install of mlx_pte: gpu_decode lays this checkout out as one.
+    # The device machine has no install of mlx_pte: gpu_setup lays this checkout out as one.
     sys.path[:0] = [str(p) for p in (args.site, project_root(args.work / "src")) if p is not None]
     import mlx_pte.runtime.mlx.blas  # noqa: F401  (before mlx.core)
     from mlx_pte import Session, generate, load

@@ -307,11 +307,11 @@ class Packed4:
 
 Weight = Union[mx.array, Packed4]
 
-# Off unless MLX_PTE_GEMV=1. On an H100 they cut a Llama-3.2-1B decode step's kernel time
-# but not its wall time where the host bounds the step (bench/gpu_suite.sh gemv_forms: 1.01x,
-# bf16 and q4): there the host's encoding bounds the step, and 65 fewer graph nodes did not
-# shorten it measurably. They go on by default once a GPU-bound host shows them ahead. The bench also switches them in-process
-# (enabled: both kernels; norm_enabled: the fused norm only) to time MLX's ops in the same run.
+# Off unless MLX_PTE_GEMV=1. On an H100 whose host's encoding bounds a Llama-3.2-1B decode
+# step, they cut its kernel time but not its wall time (bench/gpu_suite.sh gemv_forms: 1.01x,
+# bf16 and q4); they go on by default once a GPU-bound host shows them ahead. The bench also
+# switches them in-process (enabled: both kernels; norm_enabled: the fused norm only) to
+# time MLX's ops in the same run.
 enabled = os.environ.get("MLX_PTE_GEMV") == "1"
 norm_enabled = True
 tiling = Tiling()
