@@ -236,19 +236,30 @@ def load_with_vector_linears(pte: Path):
         handlers.HANDLERS["linear"] = handler
 
 
-def without_kernels_runner(pte: Path, prompt: list[int], n: int, capacity: int, switch: str) -> Runner:
-    """mlx-pte on a launcher thread with ``runtime/mlx/gemv.py``'s ``switch`` off ("enabled":
-    MLX's ops for one-row linears and the norms before them; "norm_enabled": the fused
-    norms only): a program of its own, whose segments are compiled (at warm-up) that way."""
+def gemv_settings_runner(pte: Path, prompt: list[int], n: int, capacity: int, **settings) -> Runner:
+    """mlx-pte on a launcher thread with ``runtime/mlx/gemv.py``'s module settings changed
+    while it loads and warms up (``enabled=False``: MLX's ops for one-row linears and the
+    norms before them; ``norm_enabled=False``: the fused norms only; ``tiling=Tiling(...)``):
+    a program of its own, whose segments are compiled (at warm-up) that way."""
     from mlx_pte import load
     from mlx_pte.runtime.mlx import gemv
 
-    was = getattr(gemv, switch)
-    setattr(gemv, switch, False)
+    were = {name: getattr(gemv, name) for name in settings}
+    for name, value in settings.items():
+        setattr(gemv, name, value)
     try:
         return mlx_pte_runner(load(pte), prompt, n, capacity, True, "thread")
     finally:
-        setattr(gemv, switch, was)
+        for name, value in were.items():
+            setattr(gemv, name, value)
+
+
+def parse_tiling(text: str) -> tuple[int, int, int]:
+    """``WARPS,ROWS,UNROLL`` (say ``4,2,4``) as three positive integers."""
+    parts = text.split(",")
+    if len(parts) != 3 or not all(part.isdigit() and int(part) > 0 for part in parts):
+        raise argparse.ArgumentTypeError(f"a tiling is WARPS,ROWS,UNROLL (positive integers), got {text!r}")
+    return int(parts[0]), int(parts[1]), int(parts[2])
 
 
 def main() -> None:
@@ -277,6 +288,9 @@ def main() -> None:
                         help="with MLX_PTE_GEMV=1 (runtime/mlx/gemv.py's kernels on): add rows for mlx-pte on a "
                              "launcher thread with MLX's ops for one-row linears and the norms before them "
                              "(mlx-pte-mlxgemv), and with the kernel's gemv but not its fused norm (mlx-pte-nonorm)")
+    parser.add_argument("--gemv-tiling", action="append", default=[], type=parse_tiling, metavar="W,R,U",
+                        help="with MLX_PTE_GEMV=1: add a row for mlx-pte on a launcher thread with the kernels laid "
+                             "out W warps a block, R rows a warp, U loads unrolled (mlx-pte-tWxRxU; repeatable)")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="also print cProfile's top N entries of one mlx-pte generate (first --pte), per capture")
     parser.add_argument("--skip", action="append", default=[], choices=["mlx-pte", "mlx-lm", "hf", "hf-static"])
@@ -363,7 +377,13 @@ def main() -> None:
                     load_with_vector_linears(pte), prompt, args.generate, capacity, True, "thread")
             if args.mlx_gemv:  # bf16 and 4-bit affine linears alike
                 for row, switch in (("mlx-pte-mlxgemv", "enabled"), ("mlx-pte-nonorm", "norm_enabled")):
-                    runners[row, label] = without_kernels_runner(pte, prompt, args.generate, capacity, switch)
+                    runners[row, label] = gemv_settings_runner(pte, prompt, args.generate, capacity,
+                                                               **{switch: False})
+            for warps, rows, unroll in args.gemv_tiling:
+                from mlx_pte.runtime.mlx.gemv import Tiling
+
+                runners[f"mlx-pte-t{warps}x{rows}x{unroll}", label] = gemv_settings_runner(
+                    pte, prompt, args.generate, capacity, tiling=Tiling(warps, rows, unroll))
             if args.baseline:
                 runners["mlx-pte-base", label] = PeerProcess(
                     [__file__, *sys.argv[1:], "--serve-baseline", label], os.environ)
