@@ -31,14 +31,14 @@ blas:
 
 # Two pytest workers, a test file each at a time (--dist loadfile: a module's fixtures are
 # built once): much of the suite is single-threaded Python (tracing, export), so on 2 cores
-# this halves the run. TEST_JOBS=0 runs it in this process.
+# this nearly halves either tier. TEST_JOBS=0 runs it in this process.
 TEST_JOBS ?= 2
 
 test: upstream blas
 	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile
 
 test-slow: upstream blas
-	$(PY) -m pytest -q -m slow
+	$(PY) -m pytest -q -m slow -n $(TEST_JOBS) --dist loadfile
 
 bench: $(STAMP) blas
 	$(PY) bench/cache_ops.py
