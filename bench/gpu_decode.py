@@ -317,6 +317,8 @@ def main() -> None:
         parser.error("--generate must be at least 2 (decode speed needs a token after the first)")
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
+    if (args.mlx_gemv or args.gemv_tiling) and os.environ.get("MLX_PTE_GEMV") != "1":
+        parser.error("--mlx-gemv and --gemv-tiling time runtime/mlx/gemv.py's kernels: run with MLX_PTE_GEMV=1")
     labelled = [parse_pte(arg, "bf16") for arg in args.pte]
     if len({label for label, _ in labelled}) != len(labelled):
         parser.error("each --pte needs its own LABEL")
