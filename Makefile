@@ -33,12 +33,13 @@ blas:
 # built once): much of the suite is single-threaded Python (tracing, export), so on 2 cores
 # this nearly halves either tier. TEST_JOBS=0 runs it in this process.
 TEST_JOBS ?= 2
+WORKERS = -n $(TEST_JOBS) --dist loadfile
 
 test: upstream blas
-	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile
+	$(PY) -m pytest -q $(WORKERS)
 
 test-slow: upstream blas
-	$(PY) -m pytest -q -m slow -n $(TEST_JOBS) --dist loadfile
+	$(PY) -m pytest -q -m slow $(WORKERS)
 
 bench: $(STAMP) blas
 	$(PY) bench/cache_ops.py

@@ -86,10 +86,10 @@ done
     # Once: the wheels, the device check and the checkpoint; the steps below reuse them.
     (cd bench && "$PY" -c "
 import sys; from pathlib import Path
-from gpu_setup import install_mlx, make_checkpoint, project_root
+from gpu_setup import check_mlx_device, install_mlx, make_checkpoint, project_root
 install_mlx(Path('../.whl'), Path('$SITE')); make_checkpoint(Path('$HF')); project_root(Path('/tmp/gpu_decode/src'))
 sys.path.insert(0, '$SITE'); import mlx.core as mx
-print('MLX', mx.__version__, 'on', mx.default_device()); sys.exit(mx.default_device() != mx.gpu)")
+print('MLX', mx.__version__, 'on', check_mlx_device(wheels=True))")
 } > "$OUT/setup.log" 2>&1 || { cat "$OUT/setup.log"; echo "error: setup failed (MLX not on the GPU?)" >&2; exit 1; }
 cat "$OUT/setup.log"
 
