@@ -239,7 +239,8 @@ def load_with_vector_linears(pte: Path):
 def gemv_settings_runner(pte: Path, prompt: list[int], n: int, capacity: int, **settings) -> Runner:
     """mlx-pte on a launcher thread with ``runtime/mlx/gemv.py``'s module settings changed
     while it loads and warms up (``enabled=False``: MLX's ops for one-row linears and the
-    norms before them; ``norm_enabled=False``: the fused norms only; ``tiling=Tiling(...)``):
+    norms and GLUs before them; ``norm_enabled=False``: the fused norms only;
+    ``glu_enabled=False``: the fused GLUs only; ``tiling=Tiling(...)``):
     a program of its own, whose segments are compiled (at warm-up) that way."""
     from mlx_pte import load
     from mlx_pte.runtime.mlx import gemv
@@ -287,7 +288,8 @@ def main() -> None:
     parser.add_argument("--mlx-gemv", action="store_true",
                         help="with MLX_PTE_GEMV=1 (runtime/mlx/gemv.py's kernels on): add rows for mlx-pte on a "
                              "launcher thread with MLX's ops for one-row linears and the norms before them "
-                             "(mlx-pte-mlxgemv), and with the kernel's gemv but not its fused norm (mlx-pte-nonorm)")
+                             "(mlx-pte-mlxgemv), and with the kernels but not their fused norm (mlx-pte-nonorm) or "
+                             "their fused GLU (mlx-pte-noglu)")
     parser.add_argument("--gemv-tiling", action="append", default=[], type=parse_tiling, metavar="W,R,U",
                         help="with MLX_PTE_GEMV=1: add a row for mlx-pte on a launcher thread with the kernels laid "
                              "out W warps a block, R rows a warp, U loads unrolled (mlx-pte-tWxRxU; repeatable)")
@@ -378,7 +380,8 @@ def main() -> None:
                 runners["mlx-pte-vec", label] = mlx_pte_runner(
                     load_with_vector_linears(pte), prompt, args.generate, capacity, True, "thread")
             if args.mlx_gemv:  # bf16 and 4-bit affine linears alike
-                for row, switch in (("mlx-pte-mlxgemv", "enabled"), ("mlx-pte-nonorm", "norm_enabled")):
+                for row, switch in (("mlx-pte-mlxgemv", "enabled"), ("mlx-pte-nonorm", "norm_enabled"),
+                                    ("mlx-pte-noglu", "glu_enabled")):
                     runners[row, label] = gemv_settings_runner(pte, prompt, args.generate, capacity,
                                                                **{switch: False})
             for warps, rows, unroll in args.gemv_tiling:

@@ -31,12 +31,13 @@
 #                      defaults, then MLX_USE_CUDA_GRAPHS=0
 #   gemv_forms.log     prompt 128, 128 generated, bf16 and q4, 9 rounds: mlx-pte with runtime/mlx/gemv.py's
 #                      kernels (MLX_PTE_GEMV=1) inline and on a thread, on a thread with MLX's ops for one-row
-#                      linears and their norms (mlx-pte-mlxgemv) and without the fused norm (mlx-pte-nonorm),
-#                      and with the kernels tiled 4 warps x 2 rows x 4 loads (mlx-pte-t4x2x4), vs mlx-lm;
-#                      with BASELINE=CHECKOUT also mlx-pte from that checkout (mlx-pte-base). Other steps
-#                      run the kernels where the caller sets MLX_PTE_GEMV=1
+#                      linears and their norms and GLUs (mlx-pte-mlxgemv), without the fused norm
+#                      (mlx-pte-nonorm), without the fused GLU (mlx-pte-noglu), and with the kernels tiled
+#                      4 warps x 2 rows x 4 loads (mlx-pte-t4x2x4), vs mlx-lm; with BASELINE=CHECKOUT also
+#                      mlx-pte from that checkout (mlx-pte-base). Other steps run the kernels where the
+#                      caller sets MLX_PTE_GEMV=1
 #   gpu_tests.log      the tests that run only on CUDA (tests/runtime/mlx/test_decode_attention.py,
-#                      test_gemv.py; GPU_TESTS=FILES for some), on the GPU: the default cases;
+#                      test_gemv.py, test_glu_gemv.py; GPU_TESTS=FILES for some), on the GPU: the default cases;
 #                      GPU_MARK=slow runs test_gemv's other kernel combinations instead, in a call of
 #                      their own (each case compiles its kernel, about 2.5 s on an H100 host)
 #   profile_b64.log    per decode step of 64 requests (launch thread, the GPU's default): batched-sequence,
@@ -136,12 +137,12 @@ step graphs_on 150 "$PY" bench/gpu_decode.py "${BF16_LAUNCH[@]}"
 step ops_per_graph 180 "$PY" bench/gpu_decode.py "${BF16_LAUNCH[@]}" --pte-env MLX_MAX_OPS_PER_BUFFER=250
 step linear_forms 240 "$PY" bench/gpu_decode.py "${PTES[@]}" "${COMMON[@]}" --prompt 128 --generate 128 \
     --rounds 9 --capture on --threaded --vector-linear ${BASELINE:+--baseline "$BASELINE"} --skip hf --skip hf-static
-step gemv_forms 360 env MLX_PTE_GEMV=1 "$PY" bench/gpu_decode.py "${PTES[@]}" "${COMMON[@]}" --prompt 128 --generate 128 \
+step gemv_forms 420 env MLX_PTE_GEMV=1 "$PY" bench/gpu_decode.py "${PTES[@]}" "${COMMON[@]}" --prompt 128 --generate 128 \
     --rounds 9 --capture on --threaded --mlx-gemv --gemv-tiling 4,2,4 ${BASELINE:+--baseline "$BASELINE"} --skip hf --skip hf-static
 step encode 120 bash -c '"$@" && MLX_USE_CUDA_GRAPHS=0 "$@"' _ "$PY" bench/gpu_encode.py --site "$SITE"
 # pytest and hypothesis come as wheels in .whl/ with MLX's; --noconftest: the suite's fixtures need the
 # exporter; -P and append: the checkout's own mlx_pte/ (a shim) must not shadow the installed layout.
 step gpu_tests 540 env PYTHONPATH="$SITE:/tmp/gpu_decode/src" "$PY" -P -m pytest -q -p no:cacheprovider --noconftest \
     --import-mode=append -m "${GPU_MARK:-not slow}" \
-    ${GPU_TESTS:-tests/runtime/mlx/test_gemv.py tests/runtime/mlx/test_decode_attention.py}
+    ${GPU_TESTS:-tests/runtime/mlx/test_gemv.py tests/runtime/mlx/test_glu_gemv.py tests/runtime/mlx/test_decode_attention.py}
 grep -h -A3 "median of per-round" "$OUT"/decode_*.log

@@ -300,6 +300,33 @@ def _add_rms_norm_quantized_linear(args: Args, attrs: dict[str, Any], ctx: RunCo
     return _norm_linear(a, b, norm_weight, _packed4(parts, attrs), parts[3], linear, attrs, ctx)
 
 
+def _glu_linear(gate: mx.array, up: Optional[mx.array], kernel_weight: Optional[gemv.Weight],
+                bias: Optional[mx.array], linear: Callable[[mx.array], mx.array], attrs: dict[str, Any],
+                ctx: RunContext) -> mx.array:
+    """linear(glu(gate, up)): one kernel over the linear's weight (``kernel_weight``, None
+    where the kernel cannot read it) where ``gemv.glu_available`` says so, else the glu and
+    ``linear`` (the linear's handler on the glu's row) as they run apart."""
+    width = attrs.get("width") or gate.shape[-1]
+    if kernel_weight is not None and gemv.glu_available(gate, up, width, attrs["activation"], kernel_weight):
+        out = gemv.glu_gemv(gate, up, width, attrs["activation"], kernel_weight)
+        return out if bias is None else out + bias
+    return linear(_glu([gate, up], attrs, ctx))
+
+
+@handles("glu_linear")
+def _glu_dense_linear(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx.array:
+    gate, up, weight, bias = args
+    linear = lambda row: _linear([row, weight, bias], attrs, ctx)  # noqa: E731
+    return _glu_linear(gate, up, weight, bias, linear, attrs, ctx)
+
+
+@handles("glu_quantized_linear")
+def _glu_quantized_linear(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx.array:
+    gate, up, *parts = args  # weight, scales, biases, bias
+    linear = lambda row: _quantized_linear([row, *parts], attrs, ctx)  # noqa: E731
+    return _glu_linear(gate, up, _packed4(parts, attrs), parts[3], linear, attrs, ctx)
+
+
 @handles("embedding")
 def _embedding(args: Args, attrs: dict[str, Any], ctx: RunContext) -> mx.array:
     weight, indices = args

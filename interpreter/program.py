@@ -17,6 +17,7 @@ from mlx_pte.runtime.mlx.bootstrap import mx
 from mlx_pte.runtime.mlx.launcher import evaluate as evaluate_arrays
 
 from mlx_pte.ir.errors import FormatError
+from mlx_pte.ir.glu_linears import fuse_glu_linears
 from mlx_pte.ir.graph import Graph, SymDim, TensorType
 from mlx_pte.ir.payload import Payload
 from mlx_pte.ir.pte import read_pte
@@ -96,6 +97,7 @@ _WEIGHT_FORMS: dict[str, tuple[int, Callable[[mx.array], Optional[dict[str, Any]
     "linear": (1, _linear_form),
     "rms_norm_linear": (2, _linear_form),
     "add_rms_norm_linear": (3, _linear_form),
+    "glu_linear": (2, _linear_form),
 }
 
 
@@ -144,9 +146,9 @@ class Program:
         check_kernels(graph)
         self.graph = graph  # as the file (or this rank's shard of it) has it
         # What runs: the same with the load-time rewrites (q's and k's rotations as one op,
-        # a norm and the linear reading it as one);
+        # a norm and the linear reading it as one, a glu and the linear reading it as one);
         # its slots are the file's, then the ones the rewrites add.
-        self.run_graph = graph = fuse_norm_linears(rotate_heads_together(graph))
+        self.run_graph = graph = fuse_glu_linears(fuse_norm_linears(rotate_heads_together(graph)))
         self.weights = dict(weights)
         # Evaluated here, on the loading thread: a lazy weight (a bfloat16 view of its
         # stored bits) belongs to this thread's stream, which a launcher thread cannot encode.

@@ -102,20 +102,21 @@ def _check_glu_halves(instr: Instruction, graph: Graph) -> None:
     fused = len(instr.inputs) < 2 or instr.inputs[1] is None
     width = instr.attr("width")
     if fused != (width is not None):
-        raise FormatError("instruction 'glu': attribute 'width' belongs with a fused gate/up operand (up left "
-                          "out), and only there")
+        raise FormatError(f"instruction {instr.op!r}: attribute 'width' belongs with a fused gate/up operand (up "
+                          "left out), and only there")
     t = graph.slots[instr.inputs[0]].type  # type: ignore[index]
     total = t.shape[-1] if isinstance(t, TensorType) and t.shape else None
     if fused and (not is_int(width) or width < 1 or (is_int(total) and 2 * width > total)):
-        raise FormatError(f"instruction 'glu': width {width} must be >= 1 and fit twice in the fused operand's "
-                          f"last axis of {total}")
+        raise FormatError(f"instruction {instr.op!r}: width {width} must be >= 1 and fit twice in the fused "
+                          f"operand's last axis of {total}")
 
 
+_GLU_ATTRS = _attrs(("activation", "str", True, None, ("silu", "gelu", "gelu_tanh")), ("width", "int", False))
 define(
     OpSpec(
         "glu",
         ("gate", "up?"),
-        _attrs(("activation", "str", True, None, ("silu", "gelu", "gelu_tanh")), ("width", "int", False)),
+        _GLU_ATTRS,
         output_rule="like gate: act(gate) * up, act computed in fp32 and rounded to gate's dtype (as torch "
         "does); activation 'silu' (SwiGLU), 'gelu' or 'gelu_tanh' (GeGLU). With up left out, gate is a fused "
         "gate/up projection: its first `width` columns are the gate, its last `width` the up (padding between)",
@@ -409,5 +410,35 @@ define(
         output_rule="(quantized_linear(rms_norm(a + b, norm_weight, eps), weight, scales, biases, bias), a + b), by "
         "those ops' rules",
         check=quantization.check_operands,
+    )
+)
+
+# A GLU fused into the linear that reads it: never written by the exporter; the loader
+# merges a glu read only by one linear into one op (``ir.glu_linears``), which a GPU runs as
+# one kernel.
+define(
+    OpSpec(
+        "glu_linear",
+        ("gate", "up?", "weight", "bias?"),
+        _GLU_ATTRS,
+        output_rule="linear(glu(gate, up, activation, width), weight, bias), by those ops' rules",
+        check=_check_glu_halves,
+    )
+)
+
+
+def _check_glu_quantized_linear(instr: Instruction, graph: Graph) -> None:
+    _check_glu_halves(instr, graph)
+    quantization.check_operands(instr, graph)
+
+
+define(
+    OpSpec(
+        "glu_quantized_linear",
+        ("gate", "up?", "weight", "scales", "biases?", "bias?"),
+        (*_GLU_ATTRS, *_QUANT_ATTRS),
+        output_rule="quantized_linear(glu(gate, up, activation, width), weight, scales, biases, bias), by those "
+        "ops' rules",
+        check=_check_glu_quantized_linear,
     )
 )

@@ -59,7 +59,7 @@ def fuse_norm_linears(graph: Graph) -> Graph:
     return with_replacements(graph, replaced)
 
 
-_LINEARS = ("linear", "quantized_linear")
+LINEARS = ("linear", "quantized_linear")
 # Ops that pick rows along one axis: before a norm over the last axis they commute with it.
 _ROW_SELECTIONS = frozenset({"select", "index_select", "slice"})
 
@@ -101,19 +101,24 @@ def _selected_first(graph: Graph, norm: Instruction, readers: dict[int, list[Ins
 
 
 def _only_linear(graph: Graph, norm: Instruction, readers: dict[int, list[Instruction]]) -> Optional[Instruction]:
-    """The ``linear`` that alone reads ``norm``'s result, when ``norm`` is an rms_norm with a
-    weight and no cast and the linear's weight and bias are constants (ready wherever the
-    fused op is placed)."""
+    """The linear that alone reads ``norm``'s result, when ``norm`` is an rms_norm with a
+    weight and no cast."""
     if norm.op != "rms_norm" or len(norm.inputs) < 2 or norm.inputs[1] is None or norm.attr("dtype") is not None:
         return None
-    normed = norm.outputs[0]
-    read = readers.get(normed, [])
-    if len(read) != 1 or normed in graph.outputs:
+    return sole_linear_reader(graph, norm.outputs[0], readers)
+
+
+def sole_linear_reader(graph: Graph, slot: int, readers: dict[int, list[Instruction]]) -> Optional[Instruction]:
+    """The ``linear`` or ``quantized_linear`` that alone reads ``slot`` (a temp, not a
+    result of the graph), as its input, with constants for its weight and bias: ready
+    wherever an op fused from it and the slot's producer is placed."""
+    read = readers.get(slot, [])
+    if len(read) != 1 or slot in graph.outputs:
         return None
     linear = read[0]
-    if linear.op not in _LINEARS or linear.inputs[0] != normed or normed in linear.inputs[1:]:
+    if linear.op not in LINEARS or linear.inputs[0] != slot or slot in linear.inputs[1:]:
         return None
-    if not all(slot is None or _is_constant(graph, slot) for slot in linear.inputs[1:]):
+    if not all(operand is None or _is_constant(graph, operand) for operand in linear.inputs[1:]):
         return None
     return linear
 

@@ -138,10 +138,12 @@ def _listed(values: tuple[int, ...]) -> str:
 
 # op -> index of its (first) packed weight operand (scales and biases follow it).
 QUANTIZED_OPS = {"quantized_linear": 1, "quantized_embedding": 0, "quantized_experts": 3,
-                 # a norm joined to the quantized linear reading it, at load (ir.norm_linears)
-                 "rms_norm_quantized_linear": 2, "add_rms_norm_quantized_linear": 3}
-# The ops whose first operand is the row a quantized linear multiplies.
-_LINEAR_OPS = frozenset({"quantized_linear", "rms_norm_quantized_linear", "add_rms_norm_quantized_linear"})
+                 # a norm or a glu joined to the quantized linear reading it, at load (ir.norm_linears,
+                 # ir.glu_linears)
+                 "rms_norm_quantized_linear": 2, "add_rms_norm_quantized_linear": 3, "glu_quantized_linear": 2}
+# The ops whose first operand is the row a quantized linear multiplies, or the row's source.
+_LINEAR_OPS = frozenset({"quantized_linear", "rms_norm_quantized_linear", "add_rms_norm_quantized_linear",
+                         "glu_quantized_linear"})
 # op -> index of every packed weight it reads, where there are several.
 _PACKED_AT = {"quantized_experts": (3, 6)}
 
@@ -231,9 +233,9 @@ def check_operands(instr: Instruction, graph: Graph) -> None:
     n, k = qc.shape
     if instr.op in _LINEAR_OPS:
         x, out = graph.slots[instr.inputs[0]].type, graph.slots[instr.outputs[0]].type
-        if x != UNTYPED_TENSOR and (
-            x.dtype not in FLOAT_DTYPES or (x.shape and isinstance(x.shape[-1], int) and x.shape[-1] != k)
-        ):
+        # A glu's gate may be a fused gate/up operand, its row the `width` features of each half.
+        features = instr.attr("width") or (x.shape[-1] if x != UNTYPED_TENSOR and x.shape else None)
+        if x != UNTYPED_TENSOR and (x.dtype not in FLOAT_DTYPES or (isinstance(features, int) and features != k)):
             raise FormatError(f"{where}: x must be a float tensor with {k} features, got {x.dtype}{list(x.shape)}")
         if out != UNTYPED_TENSOR and out.shape and out.shape[-1] != n:
             raise FormatError(f"{where}: the result must have {n} features, the payload gives {list(out.shape)}")

@@ -1,4 +1,4 @@
-"""Compile the project's CUDA kernels (``runtime/mlx/gemv.py``) with NVRTC, without a GPU.
+"""Compile the project's CUDA kernels (``runtime/mlx/gemv_source.py``) with NVRTC, without a GPU.
 
 ``mx.fast.cuda_kernel`` compiles a kernel's source with NVRTC the first time it runs, so a
 kernel that does not compile fails only on a GPU. This script builds each kernel's full
@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import mlx_pte.runtime.mlx.blas  # noqa: E402,F401  (before mlx.core)
 import mlx.core as mx  # noqa: E402
 
-from mlx_pte.runtime.mlx import gemv  # noqa: E402
+from mlx_pte.runtime.mlx import gemv, gemv_source  # noqa: E402
 
 # MLX's own header before every kernel's (custom_kernel.cpp's default_header).
 MLX_HEADER = '#include "mlx/backend/cuda/device/utils.cuh"\n\n#include <cooperative_groups.h>\n\n'
@@ -44,7 +44,7 @@ SHAPES = ((3072, 2048), (37, 256), (2048, 8192))
 TILINGS = (gemv.Tiling(), gemv.Tiling(4, 2, 8))
 
 
-def full_source(spec: gemv.KernelSource, function: str, dtypes: dict[str, mx.Dtype],
+def full_source(spec: gemv_source.KernelSource, function: str, dtypes: dict[str, mx.Dtype],
                 template: list[tuple[str, object]]) -> str:
     """``spec`` as MLX hands it to NVRTC: inputs of ``dtypes`` (all rank 2 or more)."""
     declared = {"shape": "const __grid_constant__ Shape", "strides": "const __grid_constant__ Strides",
@@ -53,12 +53,12 @@ def full_source(spec: gemv.KernelSource, function: str, dtypes: dict[str, mx.Dty
     for name, kind in spec.parameters():
         if kind in ("input", "output"):
             const = "const " if kind == "input" else ""
-            params.append(f"    {const}{gemv.CUDA_TYPES[dtypes[name]]}* {name},")
+            params.append(f"    {const}{gemv_source.CUDA_TYPES[dtypes[name]]}* {name},")
         else:
             params.append(f"    {declared[kind]} {name},")
     params[-1] = params[-1][:-1] + ") {"
-    constants = gemv.template_declarations(template, "  ")
-    return (MLX_HEADER + gemv.HEADER + "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n"
+    constants = gemv_source.template_declarations(template, "  ")
+    return (MLX_HEADER + gemv_source.HEADER + "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n"
             f"__global__ void {function}(\n" + "\n".join(params) + "\n" + constants + "\n" + spec.source
             + "\n}\n\n} // namespace mlx::core::cu\n")
 
@@ -91,8 +91,8 @@ def main() -> int:
                *(f"--include-path={folder}" for folder in args.include)]
     failed = 0
     for packed in (False, True):
-        for row in gemv.ROW_KINDS:
-            spec = gemv.kernel_source(packed, row)
+        for row in gemv_source.ROW_KINDS:
+            spec = gemv_source.kernel_source(packed, row)
             for dtype in (mx.bfloat16, mx.float16, mx.float32):
                 for (out_features, in_features), tiling in zip(SHAPES, TILINGS * 2):
                     dtypes = {name: dtype for name in (*spec.inputs, *spec.outputs)}
@@ -101,7 +101,9 @@ def main() -> int:
                     if packed:
                         dtypes["w"] = mx.uint32
                         template.append(("GROUP", 64))
-                    if row != "input":
+                    if row.endswith("_glu"):
+                        template.append(("UP_AT", in_features + 16))  # a fused gate/up row, padded
+                    elif row != "input":
                         template.append(("EPS", 925353388))  # 1e-5's float bits
                     function = f"custom_kernel_{spec.name}"
                     ok, log = compile_source(nvrtc, full_source(spec, function, dtypes, template), function, options)

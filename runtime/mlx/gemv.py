@@ -9,16 +9,12 @@ and several loads per lane are in flight at once.
 
 The same kernel may first build its row: ``norm_gemv`` normalizes it (after a residual add)
 in shared memory, so a decoder layer's add, norm and projection are one kernel
-(``ir/norm_linears.py`` makes them one op at load). The weight may also be MLX's 4-bit
-affine packing (``Packed4``; MLX's ``qmv`` loads 8 bytes a lane per pass of a run-time
-loop, as its ``gemv_single`` does). The kernels are off unless ``MLX_PTE_GEMV=1`` (see
-``enabled``).
-
-Layout: ``WARPS`` warps per block, each warp computing ``ROWS`` consecutive output rows;
-a lane reads every 32nd 16-byte chunk of its rows and of x, accumulates in float, and the
-warp sums its lanes by shuffles. Strides are read from the arrays, so no input is copied:
-rows whose stride, alignment or inner stride rule out 16-byte loads take a strided loop
-(the branch is uniform over the whole grid).
+(``ir/norm_linears.py`` makes them one op at load); ``glu_gemv`` builds act(gate) * up, so
+the MLP's GLU and down projection are one (``ir/glu_linears.py``). The weight may also be
+MLX's 4-bit affine packing (``Packed4``; MLX's ``qmv`` loads 8 bytes a lane per pass of a
+run-time loop, as its ``gemv_single`` does). The kernels are off unless ``MLX_PTE_GEMV=1``
+(see ``enabled``). Their CUDA source, and how it lays rows over the GPU, is
+``gemv_source.py``'s; this module says where they run and launches them.
 """
 from __future__ import annotations
 
@@ -28,240 +24,10 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Union
 
 from mlx_pte.runtime.mlx.bootstrap import mx
-
-# Sets ``x`` (the row, T*) and ``x_stride`` for the dot product below: the input as given.
-_ROW_FROM_INPUT = """
-    const long long x_stride = x_strides[x_ndim - 1];
-"""
-
-# Sets them to the row normalized in shared memory: every block normalizes the whole row
-# itself (a few KB read from L2), so the norm, and the residual add before it, cost no
-# kernel of their own. Rounding follows ``rms_norm``'s catalog rule: the sum rounded to T,
-# x * rsqrt(mean(x**2) + eps) in float rounded to T, times the weight rounded to T.
-# {sum_row} / {write_sum} read the residual and write the sum (block 0), or not.
-_ROW_FROM_NORM = """
-    __shared__ PteChunk staged[(IN * sizeof(T) + 15) / 16];  // 16-byte aligned for the loads below
-    __shared__ float partial[WARPS];
-    T* normed = reinterpret_cast<T*>(staged);
-    const long long a_step = a_strides[a_ndim - 1];
-    const long long g_step = g_strides[g_ndim - 1];
-    float squares = 0.0f;
-    for (int i = threadIdx.x; i < IN; i += WARPS * 32) {{
-        const T h = {sum_row};
-        {write_sum}
-        const float hf = static_cast<float>(h);
-        squares += hf * hf;
-        normed[i] = h;
-    }}
-    #pragma unroll
-    for (int offset = 16; offset > 0; offset /= 2) {{
-        squares += __shfl_xor_sync(0xffffffff, squares, offset);
-    }}
-    if (threadIdx.x % 32 == 0) {{
-        partial[threadIdx.x / 32] = squares;
-    }}
-    __syncthreads();
-    float total = 0.0f;
-    #pragma unroll
-    for (int w = 0; w < WARPS; ++w) {{
-        total += partial[w];
-    }}
-    const float scale = rsqrtf(total / IN + __int_as_float(EPS));
-    for (int i = threadIdx.x; i < IN; i += WARPS * 32) {{
-        const T unit = static_cast<T>(static_cast<float>(normed[i]) * scale);
-        normed[i] = static_cast<T>(static_cast<float>(unit) * static_cast<float>(g[i * g_step]));
-    }}
-    __syncthreads();
-    const T* x = normed;
-    const long long x_stride = 1;
-"""
-_SUM_ROW = {
-    False: ("a[i * a_step]", ""),
-    True: ("static_cast<T>(static_cast<float>(a[i * a_step]) + static_cast<float>(b[i * b_strides[b_ndim - 1]]))",
-           "if (blockIdx.x == 0) { total_row[i] = h; }"),
-}
-
-# Each warp takes ROWS consecutive output rows from ``first``; after the row's set-up, which
-# may synchronize the block, a warp with no rows leaves here.
-_WARP_ROWS = """
-    const int lane = threadIdx.x % 32;
-    const int first = (blockIdx.x * WARPS + threadIdx.x / 32) * ROWS;
-    if (first >= OUT) {
-        return;
-    }
-    float acc[ROWS];
-    #pragma unroll
-    for (int r = 0; r < ROWS; ++r) {
-        acc[r] = 0.0f;
-    }
-"""
-
-# The dot products of a dense w's rows with x.
-_DENSE_DOT = """
-    constexpr int VEC = 16 / sizeof(T);  // elements per 16-byte load
-    constexpr int CHUNKS = IN / VEC;
-    const long long row_stride = w_strides[0];
-    const long long col_stride = w_strides[1];
-    // Rows past OUT (a last warp's spare rows) read the last row again and are not written.
-    const T* rows[ROWS];
-    #pragma unroll
-    for (int r = 0; r < ROWS; ++r) {
-        rows[r] = w + (first + r < OUT ? first + r : OUT - 1) * row_stride;
-    }
-    const bool vector = col_stride == 1 && x_stride == 1 && IN % VEC == 0 && row_stride % VEC == 0
-        && (reinterpret_cast<size_t>(w) % 16) == 0 && (reinterpret_cast<size_t>(x) % 16) == 0;
-    if (vector) {
-        // UNROLL chunks of x and of each row are loaded before any is used, so a lane keeps
-        // that many 16-byte loads per row in flight; chunks past the row's end load as zeros.
-        constexpr int STEPS = (CHUNKS + 31) / 32;
-        const PteChunk* xv = reinterpret_cast<const PteChunk*>(x);
-        for (int step = 0; step < STEPS; step += UNROLL) {
-            PteChunk xc[UNROLL];
-            PteChunk wc[UNROLL][ROWS];
-            #pragma unroll
-            for (int u = 0; u < UNROLL; ++u) {
-                const int i = lane + (step + u) * 32;
-                const bool inside = step + u < STEPS && i < CHUNKS;
-                xc[u] = inside ? xv[i] : PteChunk{};
-                #pragma unroll
-                for (int r = 0; r < ROWS; ++r) {
-                    wc[u][r] = inside ? reinterpret_cast<const PteChunk*>(rows[r])[i] : PteChunk{};
-                }
-            }
-            #pragma unroll
-            for (int u = 0; u < UNROLL; ++u) {
-                const T* xs = reinterpret_cast<const T*>(&xc[u]);
-                #pragma unroll
-                for (int r = 0; r < ROWS; ++r) {
-                    const T* ws = reinterpret_cast<const T*>(&wc[u][r]);
-                    #pragma unroll
-                    for (int j = 0; j < VEC; ++j) {
-                        acc[r] += static_cast<float>(ws[j]) * static_cast<float>(xs[j]);
-                    }
-                }
-            }
-        }
-    } else {
-        for (int i = lane; i < IN; i += 32) {
-            const float xi = static_cast<float>(x[i * x_stride]);
-            #pragma unroll
-            for (int r = 0; r < ROWS; ++r) {
-                acc[r] += static_cast<float>(rows[r][i * col_stride]) * xi;
-            }
-        }
-    }
-"""
-
-# The dot products of a 4-bit affine w's rows with x (MLX's packing: w is uint32, 8 values a
-# word, the first in the low bits; a value v of group g stands for scales[g] * v + biases[g],
-# GROUP values a group). A 16-byte chunk of a row is 32 values of one group (GROUP is a
-# multiple of 32), so it adds scale * sum(v * x) + bias * sum(x) over its 32 x values.
-_AFFINE4_DOT = """
-    constexpr int VALUES = 32;  // values per 16-byte chunk of a packed row
-    constexpr int CHUNKS = IN / VALUES;
-    constexpr int XVEC = 16 / sizeof(T);  // x values per 16-byte load
-    const long long row_stride = w_strides[0];
-    const long long word_stride = w_strides[1];
-    int rows[ROWS];
-    #pragma unroll
-    for (int r = 0; r < ROWS; ++r) {
-        rows[r] = first + r < OUT ? first + r : OUT - 1;
-    }
-    const auto group_scale = [&](int row, int i) {
-        return static_cast<float>(scales[row * scales_strides[0] + (i / GROUP) * scales_strides[1]]);
-    };
-    const auto group_bias = [&](int row, int i) {
-        return static_cast<float>(biases[row * biases_strides[0] + (i / GROUP) * biases_strides[1]]);
-    };
-    const bool vector = word_stride == 1 && x_stride == 1 && IN % VALUES == 0 && row_stride % 4 == 0
-        && (reinterpret_cast<size_t>(w) % 16) == 0 && (reinterpret_cast<size_t>(x) % 16) == 0;
-    if (vector) {
-        // As in the dense dot: UNROLL chunks of each row (with their scale and bias) are
-        // loaded before any is used; x is read where it is used (it stays in L1).
-        constexpr int STEPS = (CHUNKS + 31) / 32;
-        for (int step = 0; step < STEPS; step += UNROLL) {
-            PteChunk wc[UNROLL][ROWS];
-            float sc[UNROLL][ROWS];
-            float bc[UNROLL][ROWS];
-            #pragma unroll
-            for (int u = 0; u < UNROLL; ++u) {
-                const int i = lane + (step + u) * 32;
-                const bool inside = step + u < STEPS && i < CHUNKS;
-                #pragma unroll
-                for (int r = 0; r < ROWS; ++r) {
-                    wc[u][r] = inside ? reinterpret_cast<const PteChunk*>(w + rows[r] * row_stride)[i] : PteChunk{};
-                    sc[u][r] = inside ? group_scale(rows[r], i * VALUES) : 0.0f;
-                    bc[u][r] = inside ? group_bias(rows[r], i * VALUES) : 0.0f;
-                }
-            }
-            #pragma unroll
-            for (int u = 0; u < UNROLL; ++u) {
-                const int i = lane + (step + u) * 32;
-                if (step + u >= STEPS || i >= CHUNKS) {
-                    continue;
-                }
-                float xs[VALUES];
-                float xsum = 0.0f;
-                const PteChunk* xv = reinterpret_cast<const PteChunk*>(x + i * VALUES);
-                #pragma unroll
-                for (int c = 0; c < VALUES / XVEC; ++c) {
-                    const PteChunk loaded = xv[c];
-                    const T* values = reinterpret_cast<const T*>(&loaded);
-                    #pragma unroll
-                    for (int j = 0; j < XVEC; ++j) {
-                        xs[c * XVEC + j] = static_cast<float>(values[j]);
-                        xsum += xs[c * XVEC + j];
-                    }
-                }
-                #pragma unroll
-                for (int r = 0; r < ROWS; ++r) {
-                    float dot = 0.0f;
-                    #pragma unroll
-                    for (int k = 0; k < 4; ++k) {
-                        const unsigned int word = wc[u][r].word[k];
-                        #pragma unroll
-                        for (int j = 0; j < 8; ++j) {
-                            dot += static_cast<float>((word >> (4 * j)) & 15u) * xs[k * 8 + j];
-                        }
-                    }
-                    acc[r] += sc[u][r] * dot + bc[u][r] * xsum;
-                }
-            }
-        }
-    } else {
-        for (int i = lane; i < IN; i += 32) {
-            const float xi = static_cast<float>(x[i * x_stride]);
-            #pragma unroll
-            for (int r = 0; r < ROWS; ++r) {
-                const unsigned int word = w[rows[r] * row_stride + (i / 8) * word_stride];
-                const float v = static_cast<float>((word >> (4 * (i % 8))) & 15u);
-                acc[r] += (group_scale(rows[r], i) * v + group_bias(rows[r], i)) * xi;
-            }
-        }
-    }
-"""
-
-# The warp's sums into y.
-_WRITE_ROWS = """
-    #pragma unroll
-    for (int r = 0; r < ROWS; ++r) {
-        #pragma unroll
-        for (int offset = 16; offset > 0; offset /= 2) {
-            acc[r] += __shfl_xor_sync(0xffffffff, acc[r], offset);
-        }
-    }
-    if (lane == 0) {
-        #pragma unroll
-        for (int r = 0; r < ROWS; ++r) {
-            if (first + r < OUT) {
-                y[first + r] = static_cast<T>(acc[r]);
-            }
-        }
-    }
-"""
+from mlx_pte.runtime.mlx.gemv_source import GLU_ACTIVATIONS, HEADER, kernel_source
 
 DTYPES = (mx.float32, mx.float16, mx.bfloat16)
-# The fused norm stages the row in static shared memory (CUDA allows 48 KB a block): rows
+# The fused norm and GLU stage the row in static shared memory (CUDA allows 48 KB a block): rows
 # of up to 32 KB leave room for the block's other shared arrays.
 STAGED_BYTES = 32 * 1024
 
@@ -310,69 +76,14 @@ Weight = Union[mx.array, Packed4]
 # Off unless MLX_PTE_GEMV=1. On an H100 whose host's encoding bounds a Llama-3.2-1B decode
 # step, they cut its kernel time but not its wall time (bench/gpu_suite.sh gemv_forms: 1.01x,
 # bf16 and q4); they go on by default once a GPU-bound host shows them ahead. The bench also
-# switches them in-process (enabled: both kernels; norm_enabled: the fused norm only) to
-# time MLX's ops in the same run.
+# switches them in-process (enabled: every kernel; norm_enabled: the fused norm only;
+# glu_enabled: the fused GLU only) to time MLX's ops in the same run.
 enabled = os.environ.get("MLX_PTE_GEMV") == "1"
 norm_enabled = True
+glu_enabled = True
 tiling = Tiling()
 # Asked once: the checks run on every linear of a traced step.
 _ON_CUDA = mx.cuda.is_available()
-# PteChunk: 16 bytes, loaded and stored whole (one 128-bit access), with no vector type needed.
-HEADER = """#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-struct alignas(16) PteChunk { unsigned int word[4]; };
-"""
-ROW_KINDS = ("input", "norm", "add_norm")
-# The C++ types of the dtypes these kernels see, as MLX names them in a kernel's source.
-CUDA_TYPES = {mx.float32: "float", mx.float16: "__half", mx.bfloat16: "__nv_bfloat16", mx.uint32: "uint32_t"}
-
-
-def template_declarations(template: list[tuple[str, object]], indent: str) -> str:
-    """``mx.fast.cuda_kernel``'s template arguments as the lines it puts before the source:
-    a dtype as a type alias, a number as a constant."""
-    return "".join(f"{indent}using {k} = {CUDA_TYPES[v]};\n" if isinstance(v, mx.Dtype)
-                   else f"{indent}constexpr int {k} = {v};\n" for k, v in template)
-
-
-@dataclass(frozen=True)
-class KernelSource:
-    """What ``mx.fast.cuda_kernel`` is given for one kernel (``HEADER`` goes with each)."""
-
-    name: str
-    inputs: tuple[str, ...]
-    outputs: tuple[str, ...]
-    source: str
-
-    def parameters(self) -> list[tuple[str, str]]:
-        """(name, kind) of the kernel function's parameters, in the order MLX 0.32's
-        ``cuda_kernel`` declares them (``mlx/backend/cuda/custom_kernel.cpp``): each input's
-        pointer ("input"), then its "shape", "strides" and "ndim" where the source reads
-        them; then each "output"'s pointer."""
-        params = []
-        for name in self.inputs:
-            params.append((name, "input"))
-            params += [(f"{name}_{kind}", kind) for kind in ("shape", "strides", "ndim")
-                       if f"{name}_{kind}" in self.source]
-        return params + [(name, "output") for name in self.outputs]
-
-
-def kernel_source(packed: bool, row: str) -> KernelSource:
-    """The kernel over a dense (or 4-bit ``packed``) weight whose row is ``row``, one of
-    ``ROW_KINDS``: "input" (x as given), "norm" (rms_norm of x) or "add_norm" (rms_norm of
-    a residual add, whose sum is a second output)."""
-    if row == "input":
-        inputs, outputs, prologue = ("x",), ("y",), _ROW_FROM_INPUT
-    else:
-        residual = row == "add_norm"
-        sum_row, write_sum = _SUM_ROW[residual]
-        inputs = ("a", "b", "g") if residual else ("a", "g")
-        outputs = ("y", "total_row") if residual else ("y",)
-        prologue = _ROW_FROM_NORM.format(sum_row=sum_row, write_sum=write_sum)
-    weights, dot = (("w", "scales", "biases"), _AFFINE4_DOT) if packed else (("w",), _DENSE_DOT)
-    return KernelSource(f"mlx_pte_{'q4_' if packed else ''}{row}_gemv", weights + inputs, outputs,
-                        prologue + _WARP_ROWS + dot + _WRITE_ROWS)
-
-
 _kernels: dict[tuple[bool, str], Callable] = {}
 
 
@@ -385,17 +96,39 @@ def _kernel(packed: bool, row: str) -> Callable:
     return _kernels[packed, row]
 
 
+def _one_row_here(x: mx.array) -> bool:
+    """The kernels on, CUDA the default device, and x one row (any leading axes of size 1)
+    of a floating dtype."""
+    return (enabled and _ON_CUDA and mx.default_device() == mx.gpu and x.ndim >= 1 and x.dtype in DTYPES
+            and x.size == x.shape[-1] > 0)
+
+
+def _weight_fits(weight: Weight, dtype: mx.Dtype, in_features: int) -> bool:
+    """A 2-D weight of ``dtype`` (or 4-bit parts that ``Packed4.fits`` it) of ``in_features``
+    columns and at least one row."""
+    fits = weight.fits(dtype) if isinstance(weight, Packed4) else weight.ndim == 2 and weight.dtype == dtype
+    return fits and weight.shape[0] > 0 and weight.shape[1] == in_features
+
+
 def available(x: mx.array, weight: Weight) -> bool:
     """Whether ``gemv`` runs ``x @ weight.T`` on this process's default device: the kernels
-    on, CUDA, one row of x (any leading axes of size 1) of a floating dtype, and a 2-D
-    weight of that dtype (or 4-bit parts that ``Packed4.fits`` it)."""
-    if not (enabled and _ON_CUDA and mx.default_device() == mx.gpu and x.ndim >= 1 and x.dtype in DTYPES):
-        return False
-    if isinstance(weight, Packed4):
-        fits = weight.fits(x.dtype)
-    else:
-        fits = weight.ndim == 2 and weight.dtype == x.dtype
-    return fits and x.size == x.shape[-1] > 0 and weight.shape[0] > 0 and weight.shape[1] == x.shape[-1]
+    on, CUDA, one row of x of a floating dtype, and a weight of that dtype and x's width."""
+    return _one_row_here(x) and _weight_fits(weight, x.dtype, x.shape[-1])
+
+
+def glu_available(gate: mx.array, up: Optional[mx.array], width: int, activation: str, weight: Weight) -> bool:
+    """Whether ``glu_gemv`` runs these operands here: ``available``'s rules for the GLU's
+    row (``width`` features; gate and up of one shape and dtype, or up None and gate both
+    halves), an activation the kernel knows, and a row that fits the block's shared memory."""
+    return (
+        glu_enabled
+        and activation in GLU_ACTIVATIONS
+        and _one_row_here(gate)
+        and (up is None and gate.shape[-1] >= 2 * width
+             or up is not None and up.shape == gate.shape == (*gate.shape[:-1], width) and up.dtype == gate.dtype)
+        and width * gate.itemsize <= STAGED_BYTES
+        and _weight_fits(weight, gate.dtype, width)
+    )
 
 
 def norm_available(x: mx.array, norm_weight: mx.array, weight: Weight, residual: Optional[mx.array] = None) -> bool:
@@ -413,7 +146,8 @@ def norm_available(x: mx.array, norm_weight: mx.array, weight: Weight, residual:
 
 def _call(row_kind: str, inputs: list[mx.array], weight: Weight, extra: list, layout: Optional[Tiling],
           outputs: int = 1) -> list[mx.array]:
-    """The kernel with ``row_kind``'s row over ``weight`` and ``inputs`` (the row first)."""
+    """The kernel with ``row_kind``'s row over ``weight`` and ``inputs`` (the operand the row
+    is built from first: its dtype and leading axes are the result's)."""
     row = inputs[0]
     layout = layout or tiling
     out_features, in_features = weight.shape
@@ -439,6 +173,16 @@ def gemv(x: mx.array, weight: Weight, layout: Optional[Tiling] = None) -> mx.arr
     [out, in] (dense, or its 4-bit parts); the result has x's leading axes and ``out``
     last, in x's dtype."""
     return _call("input", [x], weight, [], layout)[0]
+
+
+def glu_gemv(gate: mx.array, up: Optional[mx.array], width: int, activation: str, weight: Weight,
+             layout: Optional[Tiling] = None) -> mx.array:
+    """``glu(gate, up) @ weight.T``, act(gate) * up of ``width`` features, in one kernel
+    (``glu_available`` says where). With up None, gate is a fused gate/up row: its first
+    ``width`` features the gate, its last ``width`` the up."""
+    up_at = 0 if up is not None else gate.shape[-1] - width
+    # One operand twice where gate and up are halves of it: no slice node, the kernel indexes.
+    return _call(f"{activation}_glu", [gate, gate if up is None else up], weight, [("UP_AT", up_at)], layout)[0]
 
 
 def norm_gemv(x: mx.array, norm_weight: mx.array, eps: float, weight: Weight,

@@ -315,9 +315,10 @@ def test_cases_cover_the_catalog(programs):
     # imported upstream programs use UPSTREAM_ONLY: tests/upstream/test_op_suite.py runs them.
     # The experts ops and topk come from an MoE export (tests/interpreter/test_moe.py checks
     # them against HF); all_sum is inserted by sharding at load (test_tensor_parallel.py), the
-    # fused norm-linears by ir.norm_linears at load (test_norm_linears.py).
+    # fused norm-linears by ir.norm_linears at load (test_norm_linears.py), the fused
+    # glu-linears by ir.glu_linears (test_glu_linears.py).
     elsewhere = {"update_and_attend", "quantized_linear", "quantized_embedding", "experts", "quantized_experts",
                  "topk", "all_sum", "rms_norm_linear", "add_rms_norm_linear", "rms_norm_quantized_linear",
-                 "add_rms_norm_quantized_linear"}
+                 "add_rms_norm_quantized_linear", "glu_linear", "glu_quantized_linear"}
     assert set(CATALOG) - emitted == elsewhere | UPSTREAM_ONLY
     assert not emitted & UPSTREAM_ONLY

@@ -9,25 +9,22 @@ every Llama layer, the residual add joining the norm behind it) and only there.
 """
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 
 import mlx_pte.runtime.mlx.blas  # noqa: F401  (before mlx.core)
 import mlx.core as mx
 
-from mlx_pte.export.hf_export import export_hf
-from mlx_pte.interpreter import program as program_module
 from mlx_pte.interpreter.program import Program, load
 from mlx_pte.ir.catalog import validate_graph
 from mlx_pte.ir.graph import Graph, Instruction, SlotKind, SymDim, TensorType
 from mlx_pte.ir.norm_linears import fuse_norm_linears
 from mlx_pte.ir.quantization import QuantSpec
-from tests.fixtures.exported import MAX_STEP, exported_pte
-from tests.interpreter.session_logits import logits_of
+from tests.fixtures.exported import exported_pte
+from tests.interpreter.session_logits import assert_rewrite_is_exact
 
-FUSED = ("rms_norm_linear", "add_rms_norm_linear", "rms_norm_quantized_linear", "add_rms_norm_quantized_linear")
+FUSED = {"rms_norm_linear", "add_rms_norm_linear", "rms_norm_quantized_linear", "add_rms_norm_quantized_linear"}
+Q4 = QuantSpec("affine", 4, 32)
 T = SymDim("T", 1, 8)
 
 
@@ -46,7 +43,8 @@ def test_both_norms_of_every_llama_layer_join_their_projection(tmp_path_factory,
     assert loaded.count("add_rms_norm_linear") == 2 * layers - 1
     fused = loaded.count("rms_norm_linear") + loaded.count("add_rms_norm_linear")
     assert loaded.count("rms_norm") == on_file.count("rms_norm") - fused
-    assert loaded.count("linear") == on_file.count("linear") - fused
+    # The down projections join their GLU (test_glu_linears.py).
+    assert loaded.count("linear") == on_file.count("linear") - fused - loaded.count("glu_linear")
     assert loaded.count("add") == on_file.count("add") - loaded.count("add_rms_norm_linear")
     validate_graph(program.run_graph)
 
@@ -56,31 +54,20 @@ def test_both_norms_of_every_llama_layer_join_their_projection(tmp_path_factory,
 def test_logits_equal_the_unrewritten_programs_exactly(tmp_path_factory, tiny_checkpoint, monkeypatch, family,
                                                         capture):
     path = exported_pte(tmp_path_factory, tiny_checkpoint, family)
-    rewritten = load(path)
-    monkeypatch.setattr(program_module, "fuse_norm_linears", lambda graph: graph)
-    plain = load(path)
-    assert not set(FUSED) & set(ops(plain.run_graph))
-    np.testing.assert_array_equal(logits_of(rewritten, capture), logits_of(plain, capture))
-
-
-@pytest.fixture(scope="module")
-def llama_q4(tmp_path_factory, tiny_checkpoint) -> Path:
-    path = tmp_path_factory.mktemp("llama_q4") / "model.pte"
-    export_hf(tiny_checkpoint("llama"), path, max_step=MAX_STEP, progress=False, quantize=QuantSpec("affine", 4, 32))
-    return path
+    assert_rewrite_is_exact(path, monkeypatch, "fuse_norm_linears", FUSED, capture)
 
 
 @pytest.mark.parametrize("capture", [False, True])
-def test_quantized_linears_join_their_norms_with_the_same_logits(llama_q4, monkeypatch, capture):
-    rewritten = load(llama_q4)
+def test_quantized_linears_join_their_norms_with_the_same_logits(tmp_path_factory, tiny_checkpoint, monkeypatch,
+                                                                 capture):
+    path = exported_pte(tmp_path_factory, tiny_checkpoint, "llama", Q4)
+    rewritten = load(path)
     loaded, layers = ops(rewritten.run_graph), ops(rewritten.graph).count("update_and_attend")
     assert loaded.count("rms_norm_quantized_linear") == 2  # the first layer's input norm, the final norm
     assert loaded.count("add_rms_norm_quantized_linear") == 2 * layers - 1
     assert "rms_norm" not in loaded
     validate_graph(rewritten.run_graph)
-    monkeypatch.setattr(program_module, "fuse_norm_linears", lambda graph: graph)
-    plain = load(llama_q4)
-    np.testing.assert_array_equal(logits_of(rewritten, capture), logits_of(plain, capture))
+    assert_rewrite_is_exact(path, monkeypatch, "fuse_norm_linears", FUSED, capture)
 
 
 def test_a_norm_read_twice_stays_apart(tmp_path_factory, tiny_checkpoint):

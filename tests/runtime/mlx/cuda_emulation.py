@@ -1,7 +1,7 @@
-"""Run ``runtime/mlx/gemv.py``'s CUDA kernels on the CPU, one OS thread per CUDA thread.
+"""Run ``runtime/mlx/gemv_source.py``'s CUDA kernels on the CPU, one OS thread per CUDA thread.
 
-The kernels' own sources (``gemv.kernel_source``) are compiled by the host's C++ compiler
-inside a function with the parameters ``mx.fast.cuda_kernel`` gives them (each input's
+The kernels' own sources (``gemv_source.kernel_source``) are compiled by the host's C++
+compiler inside a function with the parameters ``mx.fast.cuda_kernel`` gives them (each input's
 pointer, then the strides and ndim its source reads, then the outputs) and the template
 arguments as constants, as MLX 0.32 assembles them (``mlx/backend/cuda/custom_kernel.cpp``).
 What CUDA provides is emulated:
@@ -39,7 +39,7 @@ import numpy as np
 
 import mlx.core as mx
 
-from mlx_pte.runtime.mlx import gemv
+from mlx_pte.runtime.mlx import gemv_source
 
 COMPILER = shutil.which("g++")
 # How each dtype's elements are held in numpy (bfloat16 as its bits).
@@ -47,7 +47,7 @@ NUMPY_TYPES = {mx.float32: np.float32, mx.float16: np.float16, mx.bfloat16: np.u
 GPU_ALIGNMENT = 256
 
 # The header's 16-byte chunk, with its loads checked for alignment. Kept in step with
-# gemv.HEADER by `emulated_header`, which refuses a header it does not know.
+# gemv_source.HEADER by `emulated_header`, which refuses a header it does not know.
 _CHUNK = "struct alignas(16) PteChunk { unsigned int word[4]; };"
 _CHECKED_CHUNK = """struct alignas(16) PteChunk {
     unsigned int word[4];
@@ -199,13 +199,13 @@ def available() -> bool:
 
 
 def emulated_header() -> str:
-    """gemv.HEADER for the host compiler: CUDA's type headers are the prelude's, and the
+    """gemv_source.HEADER for the host compiler: CUDA's type headers are the prelude's, and the
     chunk checks its loads."""
-    lines = [line for line in gemv.HEADER.splitlines() if line.strip()]
+    lines = [line for line in gemv_source.HEADER.splitlines() if line.strip()]
     includes = [line for line in lines if line.startswith("#include")]
     rest = [line for line in lines if not line.startswith("#include")]
     if set(includes) != {"#include <cuda_bf16.h>", "#include <cuda_fp16.h>"} or rest != [_CHUNK]:
-        raise AssertionError("gemv.HEADER changed: bring tests/runtime/mlx/cuda_emulation.py's copy in step")
+        raise AssertionError("gemv_source.HEADER changed: bring tests/runtime/mlx/cuda_emulation.py's copy in step")
     return _CHECKED_CHUNK
 
 
@@ -215,13 +215,13 @@ _EMULATED_PARAMETERS = {"shape": ("const int32_t*", "shapes"), "strides": ("cons
                         "ndim": ("int", "ndims")}
 
 
-def _program(spec: gemv.KernelSource, dtypes: dict[str, mx.Dtype], template: Sequence[tuple[str, object]]) -> str:
+def _program(spec: gemv_source.KernelSource, dtypes: dict[str, mx.Dtype], template: Sequence[tuple[str, object]]) -> str:
     params, args = [], []
     index = -1  # of the array the parameter belongs to
     for name, kind in spec.parameters():
         if kind in ("input", "output"):
             index += 1
-            ctype = gemv.CUDA_TYPES[dtypes[name]]
+            ctype = gemv_source.CUDA_TYPES[dtypes[name]]
             const = "const " if kind == "input" else ""
             params.append(f"{const}{ctype}* {name}")
             args.append(f"static_cast<{const}{ctype}*>(a.data[{index}])")
@@ -229,7 +229,7 @@ def _program(spec: gemv.KernelSource, dtypes: dict[str, mx.Dtype], template: Seq
             ctype, field = _EMULATED_PARAMETERS[kind]
             params.append(f"{ctype} {name}")
             args.append(f"a.{field}[{index}]")
-    constants = gemv.template_declarations(list(template), "    ")
+    constants = gemv_source.template_declarations(list(template), "    ")
     return (
         _DECLARATIONS + emulated_header() + "\n\n"
         + f"static void kernel({', '.join(params)}) {{\n{constants}{spec.source}\n}}\n\n"
@@ -331,9 +331,9 @@ class MisalignedLoad(AssertionError):
 def cuda_kernel(name: str, input_names: list[str], output_names: list[str], source: str, header: str = "",
                 ensure_row_contiguous: bool = True) -> Callable:
     """What ``mx.fast.cuda_kernel`` returns, run by this emulation on the CPU."""
-    if header != gemv.HEADER or ensure_row_contiguous:
-        raise ValueError("the emulation runs gemv.py's kernels only (their header, strides as given)")
-    spec = gemv.KernelSource(name, tuple(input_names), tuple(output_names), source)
+    if header != gemv_source.HEADER or ensure_row_contiguous:
+        raise ValueError("the emulation runs gemv_source.py's kernels only (their header, strides as given)")
+    spec = gemv_source.KernelSource(name, tuple(input_names), tuple(output_names), source)
 
     def call(*, inputs: list[mx.array], template: list[tuple[str, object]], grid: tuple[int, int, int],
              threadgroup: tuple[int, int, int], output_shapes: list, output_dtypes: list) -> list[mx.array]:

@@ -13,8 +13,6 @@ check which linears hand them their rows.
 """
 from __future__ import annotations
 
-import itertools
-
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -24,75 +22,17 @@ import mlx_pte.runtime.mlx.blas  # noqa: F401  (before mlx.core)
 import mlx.core as mx
 
 from mlx_pte.interpreter.handlers import HANDLERS, RunContext
-from mlx_pte.runtime.mlx import gemv
+from mlx_pte.runtime.mlx import gemv, gemv_source
 from tests.runtime.mlx import cuda_emulation
-
-ON_CUDA = mx.cuda.is_available() and mx.default_device() == mx.gpu
-cuda_only = pytest.mark.skipif(not ON_CUDA, reason="the kernel runs on CUDA only")
-DTYPES = list(gemv.DTYPES)
-# Hypothesis examples: each is a kernel compiled anew (its shape is a template constant).
-EXAMPLES = 25 if ON_CUDA else 6
-
-
-def gpu_shapes(small: list, large: list) -> list:
-    """Shapes of a case: the model's (large) too where the kernels run on a GPU."""
-    return small + (large if ON_CUDA else [])
-
-
-def grid(*axes: list) -> list:
-    """Every combination of the axes' values, as parameters: those covering each value once,
-    and the rest marked slow."""
-    covering = {tuple(j % len(axis) for axis in axes) for j in range(max(map(len, axes)))}
-    params = []
-    for picks in itertools.product(*(range(len(axis)) for axis in axes)):
-        values = [axis[i] for axis, i in zip(axes, picks)]
-        params.append(pytest.param(*values, marks=[] if picks in covering else [pytest.mark.slow],
-                                   id="-".join(str(v).replace("mlx.core.", "") for v in values)))
-    return params
-
-# Relative to the largest |y|: float32 accumulates in a different order than numpy; the
-# half types also round the result to their 8 or 11 mantissa bits.
-TOLERANCE = {mx.float32: 1e-5, mx.float16: 2e-3, mx.bfloat16: 1e-2}
-TILINGS = [gemv.Tiling(8, 1, 4), gemv.Tiling(4, 2, 4), gemv.Tiling(8, 1, 8), gemv.Tiling(4, 1, 2)]
-
-
-def oracle(x: mx.array, weight: mx.array) -> np.ndarray:
-    """x @ weight.T in float64, from the values as stored."""
-    as64 = lambda a: np.array(a.astype(mx.float32), dtype=np.float64)  # noqa: E731
-    return as64(x) @ as64(weight).T
-
-
-def assert_close(got: mx.array, x: mx.array, weight: mx.array) -> None:
-    want = oracle(x, weight)
-    assert got.shape == want.shape and got.dtype == x.dtype
-    scale = max(float(np.abs(want).max()), 1.0)
-    error = float(np.abs(np.array(got.astype(mx.float32), dtype=np.float64) - want).max())
-    assert error <= TOLERANCE[x.dtype] * scale, (error, scale)
+from tests.runtime.mlx.gemv_cases import (DTYPES, EXAMPLES, ON_CUDA, TILINGS, assert_close, cuda_only, dequantized,
+                                          gpu_shapes, grid, oracle, quantized)
+from tests.runtime.mlx.gemv_cases import gpu_kernels, kernels_on  # noqa: F401  (fixtures)
 
 
 def test_the_kernel_stays_off_the_cpu(kernels_on):
     x, weight = mx.ones((1, 1, 64)), mx.ones((32, 64))
     with mx.stream(mx.cpu):
         assert not gemv.available(x, weight)
-
-
-@pytest.fixture
-def kernels_on(monkeypatch):
-    """The kernels switched on, as MLX_PTE_GEMV=1 does."""
-    monkeypatch.setattr(gemv, "enabled", True)
-
-
-@pytest.fixture
-def gpu_kernels(monkeypatch, kernels_on):
-    """The kernels on and running: on CUDA, or in the CPU emulation (as if on a GPU)."""
-    if ON_CUDA:
-        return
-    if not cuda_emulation.available():
-        pytest.skip("no GPU, and no C++ compiler for the CUDA emulation")
-    monkeypatch.setattr(gemv, "_ON_CUDA", True)
-    monkeypatch.setattr(gemv.mx, "default_device", lambda: mx.Device(mx.gpu))
-    monkeypatch.setattr(gemv.mx.fast, "cuda_kernel", cuda_emulation.cuda_kernel)
-    monkeypatch.setattr(gemv, "_kernels", {})
 
 
 def test_the_kernels_are_off_unless_asked_for(monkeypatch):
@@ -221,20 +161,6 @@ def assert_fused_norm_matches(residual: bool, dtype: mx.Dtype, weight: gemv.Weig
 
 
 # -- 4-bit affine weights (gemv.Packed4) ---------------------------------------------------
-def quantized(out_features: int, in_features: int, group_size: int, dtype: mx.Dtype, seed: int) -> gemv.Packed4:
-    """A random weight packed by MLX's own mx.quantize (affine, 4 bits)."""
-    rng = np.random.default_rng(seed)
-    weight = mx.array((rng.standard_normal((out_features, in_features)) / np.sqrt(in_features)).astype(np.float32))
-    packed, scales, biases = mx.quantize(weight.astype(dtype), group_size=group_size, bits=4)
-    return gemv.Packed4(packed, scales, biases, group_size)
-
-
-def dequantized(weight: gemv.Packed4) -> mx.array:
-    """The oracle's weight: MLX's own mx.dequantize, in float32 (no rounding of scale * v + bias)."""
-    return mx.dequantize(weight.weight, weight.scales.astype(mx.float32), weight.biases.astype(mx.float32),
-                         group_size=weight.group_size, bits=4)
-
-
 def test_packed_weights_fit_the_kernel_by_their_parts():
     weight = quantized(8, 128, 64, mx.bfloat16, 0)
     assert weight.shape == (8, 128) and weight.fits(mx.bfloat16)
@@ -357,7 +283,7 @@ def test_the_emulation_refuses_a_16_byte_load_the_gpu_would_fault_on():
     kernel = cuda_emulation.cuda_kernel("misaligned", ["x"], ["y"], source="""
         const PteChunk chunk = reinterpret_cast<const PteChunk*>(x + START)[0];
         y[threadIdx.x] = reinterpret_cast<const T*>(&chunk)[threadIdx.x % 4];
-    """, header=gemv.HEADER, ensure_row_contiguous=False)
+    """, header=gemv_source.HEADER, ensure_row_contiguous=False)
     x = mx.arange(64, dtype=mx.float32)
 
     def load(start: int) -> mx.array:

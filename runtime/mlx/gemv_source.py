@@ -1,0 +1,327 @@
+"""The CUDA source of ``gemv.py``'s kernels: one row times a weight, the row built first
+from the input as given, from an rms_norm (after a residual add) or from a GLU.
+
+Layout: ``WARPS`` warps per block, each warp computing ``ROWS`` consecutive output rows;
+a lane reads every 32nd 16-byte chunk of its rows and of x, accumulates in float, and the
+warp sums its lanes by shuffles. Strides are read from the arrays, so no input is copied:
+rows whose stride, alignment or inner stride rule out 16-byte loads take a strided loop
+(the branch is uniform over the whole grid).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mlx_pte.runtime.mlx.bootstrap import mx
+
+# Sets ``x`` (the row, T*) and ``x_stride`` for the dot product below: the input as given.
+_ROW_FROM_INPUT = """
+    const long long x_stride = x_strides[x_ndim - 1];
+"""
+
+# Sets them to the row normalized in shared memory: every block normalizes the whole row
+# itself (a few KB read from L2), so the norm, and the residual add before it, cost no
+# kernel of their own. Rounding follows ``rms_norm``'s catalog rule: the sum rounded to T,
+# x * rsqrt(mean(x**2) + eps) in float rounded to T, times the weight rounded to T.
+# {sum_row} / {write_sum} read the residual and write the sum (block 0), or not.
+_ROW_FROM_NORM = """
+    __shared__ PteChunk staged[(IN * sizeof(T) + 15) / 16];  // 16-byte aligned for the loads below
+    __shared__ float partial[WARPS];
+    T* normed = reinterpret_cast<T*>(staged);
+    const long long a_step = a_strides[a_ndim - 1];
+    const long long g_step = g_strides[g_ndim - 1];
+    float squares = 0.0f;
+    for (int i = threadIdx.x; i < IN; i += WARPS * 32) {{
+        const T h = {sum_row};
+        {write_sum}
+        const float hf = static_cast<float>(h);
+        squares += hf * hf;
+        normed[i] = h;
+    }}
+    #pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) {{
+        squares += __shfl_xor_sync(0xffffffff, squares, offset);
+    }}
+    if (threadIdx.x % 32 == 0) {{
+        partial[threadIdx.x / 32] = squares;
+    }}
+    __syncthreads();
+    float total = 0.0f;
+    #pragma unroll
+    for (int w = 0; w < WARPS; ++w) {{
+        total += partial[w];
+    }}
+    const float scale = rsqrtf(total / IN + __int_as_float(EPS));
+    for (int i = threadIdx.x; i < IN; i += WARPS * 32) {{
+        const T unit = static_cast<T>(static_cast<float>(normed[i]) * scale);
+        normed[i] = static_cast<T>(static_cast<float>(unit) * static_cast<float>(g[i * g_step]));
+    }}
+    __syncthreads();
+    const T* x = normed;
+    const long long x_stride = 1;
+"""
+# Sets them to a GLU's row built in shared memory: act(gate) * up, as the ``glu`` op rounds it
+# (the activation in float rounded to T, times up rounded to T). Every block builds the whole
+# row, as the fused norm does, so the GLU costs no kernel of its own. gate and up may be one
+# operand (a fused gate/up projection), up then starting UP_AT elements in.
+_ROW_FROM_GLU = """
+    __shared__ PteChunk staged[(IN * sizeof(T) + 15) / 16];  // 16-byte aligned for the loads below
+    T* glued = reinterpret_cast<T*>(staged);
+    const long long gate_step = gate_strides[gate_ndim - 1];
+    const long long up_step = up_strides[up_ndim - 1];
+    for (int i = threadIdx.x; i < IN; i += WARPS * 32) {{
+        const float g = static_cast<float>(gate[i * gate_step]);
+        const T act = static_cast<T>({activation});
+        glued[i] = static_cast<T>(static_cast<float>(act) * static_cast<float>(up[(UP_AT + i) * up_step]));
+    }}
+    __syncthreads();
+    const T* x = glued;
+    const long long x_stride = 1;
+"""
+# The activations of ``glu`` in float, of g, by the formulas the glu handler uses.
+GLU_ACTIVATIONS = {
+    "silu": "g / (1.0f + expf(-g))",
+    "gelu": "0.5f * g * (1.0f + erff(g / 1.4142135623730951f))",
+    "gelu_tanh": "0.5f * g * (1.0f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g)))",
+}
+_SUM_ROW = {
+    False: ("a[i * a_step]", ""),
+    True: ("static_cast<T>(static_cast<float>(a[i * a_step]) + static_cast<float>(b[i * b_strides[b_ndim - 1]]))",
+           "if (blockIdx.x == 0) { total_row[i] = h; }"),
+}
+
+# Each warp takes ROWS consecutive output rows from ``first``; after the row's set-up, which
+# may synchronize the block, a warp with no rows leaves here.
+_WARP_ROWS = """
+    const int lane = threadIdx.x % 32;
+    const int first = (blockIdx.x * WARPS + threadIdx.x / 32) * ROWS;
+    if (first >= OUT) {
+        return;
+    }
+    float acc[ROWS];
+    #pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+        acc[r] = 0.0f;
+    }
+"""
+
+# The dot products of a dense w's rows with x.
+_DENSE_DOT = """
+    constexpr int VEC = 16 / sizeof(T);  // elements per 16-byte load
+    constexpr int CHUNKS = IN / VEC;
+    const long long row_stride = w_strides[0];
+    const long long col_stride = w_strides[1];
+    // Rows past OUT (a last warp's spare rows) read the last row again and are not written.
+    const T* rows[ROWS];
+    #pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+        rows[r] = w + (first + r < OUT ? first + r : OUT - 1) * row_stride;
+    }
+    const bool vector = col_stride == 1 && x_stride == 1 && IN % VEC == 0 && row_stride % VEC == 0
+        && (reinterpret_cast<size_t>(w) % 16) == 0 && (reinterpret_cast<size_t>(x) % 16) == 0;
+    if (vector) {
+        // UNROLL chunks of x and of each row are loaded before any is used, so a lane keeps
+        // that many 16-byte loads per row in flight; chunks past the row's end load as zeros.
+        constexpr int STEPS = (CHUNKS + 31) / 32;
+        const PteChunk* xv = reinterpret_cast<const PteChunk*>(x);
+        for (int step = 0; step < STEPS; step += UNROLL) {
+            PteChunk xc[UNROLL];
+            PteChunk wc[UNROLL][ROWS];
+            #pragma unroll
+            for (int u = 0; u < UNROLL; ++u) {
+                const int i = lane + (step + u) * 32;
+                const bool inside = step + u < STEPS && i < CHUNKS;
+                xc[u] = inside ? xv[i] : PteChunk{};
+                #pragma unroll
+                for (int r = 0; r < ROWS; ++r) {
+                    wc[u][r] = inside ? reinterpret_cast<const PteChunk*>(rows[r])[i] : PteChunk{};
+                }
+            }
+            #pragma unroll
+            for (int u = 0; u < UNROLL; ++u) {
+                const T* xs = reinterpret_cast<const T*>(&xc[u]);
+                #pragma unroll
+                for (int r = 0; r < ROWS; ++r) {
+                    const T* ws = reinterpret_cast<const T*>(&wc[u][r]);
+                    #pragma unroll
+                    for (int j = 0; j < VEC; ++j) {
+                        acc[r] += static_cast<float>(ws[j]) * static_cast<float>(xs[j]);
+                    }
+                }
+            }
+        }
+    } else {
+        for (int i = lane; i < IN; i += 32) {
+            const float xi = static_cast<float>(x[i * x_stride]);
+            #pragma unroll
+            for (int r = 0; r < ROWS; ++r) {
+                acc[r] += static_cast<float>(rows[r][i * col_stride]) * xi;
+            }
+        }
+    }
+"""
+
+# The dot products of a 4-bit affine w's rows with x (MLX's packing: w is uint32, 8 values a
+# word, the first in the low bits; a value v of group g stands for scales[g] * v + biases[g],
+# GROUP values a group). A 16-byte chunk of a row is 32 values of one group (GROUP is a
+# multiple of 32), so it adds scale * sum(v * x) + bias * sum(x) over its 32 x values.
+_AFFINE4_DOT = """
+    constexpr int VALUES = 32;  // values per 16-byte chunk of a packed row
+    constexpr int CHUNKS = IN / VALUES;
+    constexpr int XVEC = 16 / sizeof(T);  // x values per 16-byte load
+    const long long row_stride = w_strides[0];
+    const long long word_stride = w_strides[1];
+    int rows[ROWS];
+    #pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+        rows[r] = first + r < OUT ? first + r : OUT - 1;
+    }
+    const auto group_scale = [&](int row, int i) {
+        return static_cast<float>(scales[row * scales_strides[0] + (i / GROUP) * scales_strides[1]]);
+    };
+    const auto group_bias = [&](int row, int i) {
+        return static_cast<float>(biases[row * biases_strides[0] + (i / GROUP) * biases_strides[1]]);
+    };
+    const bool vector = word_stride == 1 && x_stride == 1 && IN % VALUES == 0 && row_stride % 4 == 0
+        && (reinterpret_cast<size_t>(w) % 16) == 0 && (reinterpret_cast<size_t>(x) % 16) == 0;
+    if (vector) {
+        // As in the dense dot: UNROLL chunks of each row (with their scale and bias) are
+        // loaded before any is used; x is read where it is used (it stays in L1).
+        constexpr int STEPS = (CHUNKS + 31) / 32;
+        for (int step = 0; step < STEPS; step += UNROLL) {
+            PteChunk wc[UNROLL][ROWS];
+            float sc[UNROLL][ROWS];
+            float bc[UNROLL][ROWS];
+            #pragma unroll
+            for (int u = 0; u < UNROLL; ++u) {
+                const int i = lane + (step + u) * 32;
+                const bool inside = step + u < STEPS && i < CHUNKS;
+                #pragma unroll
+                for (int r = 0; r < ROWS; ++r) {
+                    wc[u][r] = inside ? reinterpret_cast<const PteChunk*>(w + rows[r] * row_stride)[i] : PteChunk{};
+                    sc[u][r] = inside ? group_scale(rows[r], i * VALUES) : 0.0f;
+                    bc[u][r] = inside ? group_bias(rows[r], i * VALUES) : 0.0f;
+                }
+            }
+            #pragma unroll
+            for (int u = 0; u < UNROLL; ++u) {
+                const int i = lane + (step + u) * 32;
+                if (step + u >= STEPS || i >= CHUNKS) {
+                    continue;
+                }
+                float xs[VALUES];
+                float xsum = 0.0f;
+                const PteChunk* xv = reinterpret_cast<const PteChunk*>(x + i * VALUES);
+                #pragma unroll
+                for (int c = 0; c < VALUES / XVEC; ++c) {
+                    const PteChunk loaded = xv[c];
+                    const T* values = reinterpret_cast<const T*>(&loaded);
+                    #pragma unroll
+                    for (int j = 0; j < XVEC; ++j) {
+                        xs[c * XVEC + j] = static_cast<float>(values[j]);
+                        xsum += xs[c * XVEC + j];
+                    }
+                }
+                #pragma unroll
+                for (int r = 0; r < ROWS; ++r) {
+                    float dot = 0.0f;
+                    #pragma unroll
+                    for (int k = 0; k < 4; ++k) {
+                        const unsigned int word = wc[u][r].word[k];
+                        #pragma unroll
+                        for (int j = 0; j < 8; ++j) {
+                            dot += static_cast<float>((word >> (4 * j)) & 15u) * xs[k * 8 + j];
+                        }
+                    }
+                    acc[r] += sc[u][r] * dot + bc[u][r] * xsum;
+                }
+            }
+        }
+    } else {
+        for (int i = lane; i < IN; i += 32) {
+            const float xi = static_cast<float>(x[i * x_stride]);
+            #pragma unroll
+            for (int r = 0; r < ROWS; ++r) {
+                const unsigned int word = w[rows[r] * row_stride + (i / 8) * word_stride];
+                const float v = static_cast<float>((word >> (4 * (i % 8))) & 15u);
+                acc[r] += (group_scale(rows[r], i) * v + group_bias(rows[r], i)) * xi;
+            }
+        }
+    }
+"""
+
+# The warp's sums into y.
+_WRITE_ROWS = """
+    #pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+        #pragma unroll
+        for (int offset = 16; offset > 0; offset /= 2) {
+            acc[r] += __shfl_xor_sync(0xffffffff, acc[r], offset);
+        }
+    }
+    if (lane == 0) {
+        #pragma unroll
+        for (int r = 0; r < ROWS; ++r) {
+            if (first + r < OUT) {
+                y[first + r] = static_cast<T>(acc[r]);
+            }
+        }
+    }
+"""
+
+# PteChunk: 16 bytes, loaded and stored whole (one 128-bit access), with no vector type needed.
+HEADER = """#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+struct alignas(16) PteChunk { unsigned int word[4]; };
+"""
+ROW_KINDS = ("input", "norm", "add_norm", *(f"{act}_glu" for act in GLU_ACTIVATIONS))
+# The C++ types of the dtypes these kernels see, as MLX names them in a kernel's source.
+CUDA_TYPES = {mx.float32: "float", mx.float16: "__half", mx.bfloat16: "__nv_bfloat16", mx.uint32: "uint32_t"}
+
+
+def template_declarations(template: list[tuple[str, object]], indent: str) -> str:
+    """``mx.fast.cuda_kernel``'s template arguments as the lines it puts before the source:
+    a dtype as a type alias, a number as a constant."""
+    return "".join(f"{indent}using {k} = {CUDA_TYPES[v]};\n" if isinstance(v, mx.Dtype)
+                   else f"{indent}constexpr int {k} = {v};\n" for k, v in template)
+
+
+@dataclass(frozen=True)
+class KernelSource:
+    """What ``mx.fast.cuda_kernel`` is given for one kernel (``HEADER`` goes with each)."""
+
+    name: str
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    source: str
+
+    def parameters(self) -> list[tuple[str, str]]:
+        """(name, kind) of the kernel function's parameters, in the order MLX 0.32's
+        ``cuda_kernel`` declares them (``mlx/backend/cuda/custom_kernel.cpp``): each input's
+        pointer ("input"), then its "shape", "strides" and "ndim" where the source reads
+        them; then each "output"'s pointer."""
+        params = []
+        for name in self.inputs:
+            params.append((name, "input"))
+            params += [(f"{name}_{kind}", kind) for kind in ("shape", "strides", "ndim")
+                       if f"{name}_{kind}" in self.source]
+        return params + [(name, "output") for name in self.outputs]
+
+
+def kernel_source(packed: bool, row: str) -> KernelSource:
+    """The kernel over a dense (or 4-bit ``packed``) weight whose row is ``row``, one of
+    ``ROW_KINDS``: "input" (x as given), "norm" (rms_norm of x), "add_norm" (rms_norm of
+    a residual add, whose sum is a second output) or "ACT_glu" (act(gate) * up)."""
+    if row == "input":
+        inputs, outputs, prologue = ("x",), ("y",), _ROW_FROM_INPUT
+    elif row.endswith("_glu"):
+        activation = GLU_ACTIVATIONS[row.removesuffix("_glu")]
+        inputs, outputs, prologue = ("gate", "up"), ("y",), _ROW_FROM_GLU.format(activation=activation)
+    else:
+        residual = row == "add_norm"
+        sum_row, write_sum = _SUM_ROW[residual]
+        inputs = ("a", "b", "g") if residual else ("a", "g")
+        outputs = ("y", "total_row") if residual else ("y",)
+        prologue = _ROW_FROM_NORM.format(sum_row=sum_row, write_sum=write_sum)
+    weights, dot = (("w", "scales", "biases"), _AFFINE4_DOT) if packed else (("w",), _DENSE_DOT)
+    return KernelSource(f"mlx_pte_{'q4_' if packed else ''}{row}_gemv", weights + inputs, outputs,
+                        prologue + _WARP_ROWS + dot + _WRITE_ROWS)
