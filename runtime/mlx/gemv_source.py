@@ -62,16 +62,38 @@ _ROW_FROM_NORM = """
 # Sets them to a GLU's row built in shared memory: act(gate) * up, as the ``glu`` op rounds it
 # (the activation in float rounded to T, times up rounded to T). Every block builds the whole
 # row, as the fused norm does, so the GLU costs no kernel of its own. gate and up may be one
-# operand (a fused gate/up projection), up then starting UP_AT elements in.
+# operand (a fused gate/up projection), up then starting UP_AT elements in. Where both rows
+# are contiguous and start on 16 bytes, a thread reads them 16 bytes a load (8192 bf16
+# features: 4 loads of each a thread, where one element a load would be 32 each).
 _ROW_FROM_GLU = """
     __shared__ PteChunk staged[(IN * sizeof(T) + 15) / 16];  // 16-byte aligned for the loads below
     T* glued = reinterpret_cast<T*>(staged);
     const long long gate_step = gate_strides[gate_ndim - 1];
     const long long up_step = up_strides[up_ndim - 1];
-    for (int i = threadIdx.x; i < IN; i += WARPS * 32) {{
-        const float g = static_cast<float>(gate[i * gate_step]);
+    const T* up_row = up + UP_AT * up_step;
+    const auto glu_value = [](T gate_value, T up_value) {{
+        const float g = static_cast<float>(gate_value);
         const T act = static_cast<T>({activation});
-        glued[i] = static_cast<T>(static_cast<float>(act) * static_cast<float>(up[(UP_AT + i) * up_step]));
+        return static_cast<T>(static_cast<float>(act) * static_cast<float>(up_value));
+    }};
+    constexpr int GLU_VEC = 16 / sizeof(T);  // elements per 16-byte load
+    const bool glu_vector = gate_step == 1 && up_step == 1 && IN % GLU_VEC == 0
+        && (reinterpret_cast<size_t>(gate) % 16) == 0 && (reinterpret_cast<size_t>(up_row) % 16) == 0;
+    if (glu_vector) {{
+        for (int c = threadIdx.x; c < IN / GLU_VEC; c += WARPS * 32) {{
+            const PteChunk gate_chunk = reinterpret_cast<const PteChunk*>(gate)[c];
+            const PteChunk up_chunk = reinterpret_cast<const PteChunk*>(up_row)[c];
+            const T* gates = reinterpret_cast<const T*>(&gate_chunk);
+            const T* ups = reinterpret_cast<const T*>(&up_chunk);
+            #pragma unroll
+            for (int j = 0; j < GLU_VEC; ++j) {{
+                glued[c * GLU_VEC + j] = glu_value(gates[j], ups[j]);
+            }}
+        }}
+    }} else {{
+        for (int i = threadIdx.x; i < IN; i += WARPS * 32) {{
+            glued[i] = glu_value(gate[i * gate_step], up_row[i * up_step]);
+        }}
     }}
     __syncthreads();
     const T* x = glued;

@@ -20,7 +20,8 @@ import mlx.core as mx
 
 from mlx_pte.interpreter.handlers import HANDLERS, RunContext
 from mlx_pte.runtime.mlx import gemv, gemv_source
-from tests.runtime.mlx.gemv_cases import (DTYPES, TILINGS, assert_close, dequantized, gpu_shapes, grid, oracle,
+from tests.runtime.mlx import cuda_emulation
+from tests.runtime.mlx.gemv_cases import (DTYPES, ON_CUDA, TILINGS, assert_close, dequantized, gpu_shapes, grid, oracle,
                                           quantized)
 from tests.runtime.mlx.gemv_cases import gpu_kernels, kernels_on  # noqa: F401  (fixtures)
 
@@ -41,38 +42,45 @@ def glu_row_oracle(gate: mx.array, up: mx.array, activation: str) -> mx.array:
     return (rounded.astype(mx.float32) * up.astype(mx.float32)).astype(gate.dtype)
 
 
-def gate_and_up(width: int, fused: bool, dtype: mx.Dtype, seed: int) -> tuple[mx.array, mx.array | None, mx.array,
-                                                                                mx.array]:
-    """(the kernel's gate and up operands, the gate and up rows they hold): one fused row of
-    both halves with 16 features of padding between, up None; or two rows."""
+# How gate and up reach the kernel: halves of one fused row (16 features of padding between,
+# so up starts on 16 bytes; or 3, so it does not), two rows, or two strided views.
+FORMS = ["fused", "fused_odd", "apart", "strided"]
+
+
+def gate_and_up(width: int, form: str, dtype: mx.Dtype, seed: int) -> tuple[mx.array, mx.array | None, mx.array,
+                                                                              mx.array]:
+    """(the kernel's gate and up operands, up None where gate holds both; the gate and up
+    rows they hold) in ``form``."""
     rng = np.random.default_rng(seed)
     cast = lambda a: mx.array(a.astype(np.float32)).astype(dtype)  # noqa: E731
-    if fused:
-        both = cast(rng.standard_normal((1, 1, 2 * width + 16)) * 2)
+    if form.startswith("fused"):
+        both = cast(rng.standard_normal((1, 1, 2 * width + (16 if form == "fused" else 3))) * 2)
         return both, None, both[..., :width], both[..., -width:]
-    gate, up = cast(rng.standard_normal((1, 1, width)) * 2), cast(rng.standard_normal((1, 1, width)))
+    step = 2 if form == "strided" else 1
+    gate = cast(rng.standard_normal((1, 1, step * width)) * 2)[..., ::step]
+    up = cast(rng.standard_normal((1, 1, step * width)))[..., ::step]
     return gate, up, gate, up
 
 
-@pytest.mark.parametrize("activation,fused,tiling,dtype,shape", grid(ACTIVATIONS, [True, False], TILINGS[:2], DTYPES,
-                                                                      gpu_shapes([(37, 264), (9, 100), (24, 8192)],
-                                                                                 [(2048, 8192)])))
-def test_the_fused_glu_matches_the_ops_it_replaces(activation, fused, tiling, dtype, shape, gpu_kernels):
+@pytest.mark.parametrize("activation,form,tiling,dtype,shape", grid(ACTIVATIONS, FORMS, TILINGS[:2], DTYPES,
+                                                                     gpu_shapes([(37, 264), (9, 100), (24, 8192)],
+                                                                                [(2048, 8192)])))
+def test_the_fused_glu_matches_the_ops_it_replaces(activation, form, tiling, dtype, shape, gpu_kernels):
     out_features, width = shape
     rng = np.random.default_rng(out_features + width)
     weight = mx.array((rng.standard_normal((out_features, width)) / np.sqrt(width)).astype(np.float32)).astype(dtype)
-    gate, up, gate_row, up_row = gate_and_up(width, fused, dtype, width)
+    gate, up, gate_row, up_row = gate_and_up(width, form, dtype, width)
     assert gemv.glu_available(gate, up, width, activation, weight)
     got = gemv.glu_gemv(gate, up, width, activation, weight, layout=tiling)
     assert_close(got, glu_row_oracle(gate_row, up_row, activation), weight)
 
 
-@pytest.mark.parametrize("fused,dtype,shape", grid([True, False], [mx.bfloat16, mx.float32], gpu_shapes(
+@pytest.mark.parametrize("form,dtype,shape", grid(["fused", "apart"], [mx.bfloat16, mx.float32], gpu_shapes(
     [(40, 256), (12, 8192)], [(2048, 8192)])))
-def test_the_fused_glu_over_q4_weights_matches_the_ops_it_replaces(fused, dtype, shape, gpu_kernels):
+def test_the_fused_glu_over_q4_weights_matches_the_ops_it_replaces(form, dtype, shape, gpu_kernels):
     out_features, width = shape
     weight = quantized(out_features, width, 64, dtype, width)
-    gate, up, gate_row, up_row = gate_and_up(width, fused, dtype, out_features)
+    gate, up, gate_row, up_row = gate_and_up(width, form, dtype, out_features)
     assert gemv.glu_available(gate, up, width, "silu", weight)
     got = gemv.glu_gemv(gate, up, width, "silu", weight)
     assert_close(got, glu_row_oracle(gate_row, up_row, "silu"), dequantized(weight))
@@ -97,15 +105,16 @@ def test_only_glu_rows_the_kernel_can_build_are_taken(monkeypatch, kernels_on):
     assert not gemv.glu_available(row(1, 1, 64), row(1, 1, 64), 64, "silu", weight)
 
 
-@pytest.mark.parametrize("op,fused", [("glu_linear", True), ("glu_linear", False), ("glu_quantized_linear", True)])
-def test_the_glu_handlers_take_the_kernel_for_one_row(op, fused, monkeypatch, gpu_kernels):
+@pytest.mark.parametrize("op,form", [("glu_linear", "fused"), ("glu_linear", "apart"),
+                                     ("glu_quantized_linear", "fused")])
+def test_the_glu_handlers_take_the_kernel_for_one_row(op, form, monkeypatch, gpu_kernels):
     width, out_features = 256, 384
     rng = np.random.default_rng(9)
     bias = mx.array(rng.standard_normal((out_features,)).astype(np.float32)).astype(mx.bfloat16)
     packed = quantized(out_features, width, 64, mx.bfloat16, 9)
     dense = dequantized(packed).astype(mx.bfloat16)
-    gate, up, gate_row, up_row = gate_and_up(width, fused, mx.bfloat16, 10)
-    attrs = {"activation": "silu", **({"width": width} if fused else {})}
+    gate, up, gate_row, up_row = gate_and_up(width, form, mx.bfloat16, 10)
+    attrs = {"activation": "silu", **({"width": width} if up is None else {})}
     if op == "glu_quantized_linear":
         args, weight = [gate, up, packed.weight, packed.scales, packed.biases, bias], dequantized(packed)
         attrs.update(mode="affine", bits=4, group_size=64)
@@ -121,3 +130,18 @@ def test_the_glu_handlers_take_the_kernel_for_one_row(op, fused, monkeypatch, gp
     want = oracle(glued, weight) + np.array(bias.astype(mx.float32), dtype=np.float64)
     scale = max(float(np.abs(want).max()), 1.0)
     assert float(np.abs(np.array(got.astype(mx.float32), dtype=np.float64) - want).max()) <= 2e-2 * scale
+
+
+@pytest.mark.skipif(ON_CUDA or not cuda_emulation.available(), reason="checks the CPU emulation")
+def test_the_glu_row_is_read_16_bytes_a_load_where_the_layout_allows(gpu_kernels):
+    weight = mx.ones((8, 256), mx.bfloat16)
+    loads = {}
+    for form in FORMS:
+        gate, up, _, _ = gate_and_up(256, form, mx.bfloat16, 13)
+        mx.eval(gemv.glu_gemv(gate, up, 256, "silu", weight))
+        loads[form] = cuda_emulation.last_launch.chunk_loads
+    # The dot loop reads the staged row and the weight alike in every form; reading gate and
+    # up by chunks adds 2 * 256 / 8 loads for each of the launch's blocks.
+    blocks = -(-8 // (gemv.tiling.warps * gemv.tiling.rows))
+    assert loads["fused"] - loads["fused_odd"] == loads["apart"] - loads["strided"] == blocks * 2 * 256 // 8
+    assert loads["fused_odd"] == loads["strided"] > 0
