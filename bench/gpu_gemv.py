@@ -4,7 +4,8 @@ fused projections), MLX's ``x @ W.T`` (``gemv_single``) against the project's ke
 adds cuBLAS through torch and ``--q4`` MLX's ``quantized_matmul`` (4 bits, group 64)
 against the kernel on the same packed weights. Where a norm feeds the projection, MLX's
 residual add, ``rms_norm`` and GEMV are timed against the kernel that fuses them
-(``norm_gemv``).
+(``norm_gemv``); where the MLP's GLU feeds it (the down projection), MLX's split of the
+fused gate/up row, GLU and GEMV against the kernel that builds the GLU's row (``glu_gemv``).
 
     python3 bench/gpu_gemv.py --wheels .whl [--tilings 8x1x4,4x2x4] [--torch] [--q4] [--peak GB/s]
 
@@ -28,6 +29,7 @@ from pathlib import Path
 # (out, in): q/k/v fused, o, gate/up fused, down, the LM head.
 SHAPES = ((3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192), (128256, 2048))
 NORM_SITES = ((3072, 2048), (16384, 2048))  # the projections a norm (and residual add) feeds
+GLU_SITES = ((2048, 8192),)  # the projection act(gate) * up feeds
 WORKING_SET = 1 << 30  # bytes of distinct weights per timed eval: far past L2
 PEAKS = {"H100": 3350.0, "H200": 4800.0}  # GB/s of HBM, by a word of the device's name
 
@@ -106,6 +108,7 @@ def main() -> None:
     import mlx.core as mx
 
     from gpu_setup import check_mlx_device
+    from mlx_pte.interpreter.handlers import HANDLERS
     from mlx_pte.runtime.mlx import gemv
 
     device = check_mlx_device(args.wheels is not None)
@@ -140,6 +143,22 @@ def main() -> None:
 
             rows.append(("mlx add+norm+gemv", time_mlx(mlx_ops, pairs, ws, args.repeats), nbytes))
             rows.append(("add_norm kernel", time_mlx(fused, pairs, ws, args.repeats), nbytes))
+        if (out, inn) in GLU_SITES:  # the fused gate/up row, its halves read by the glu
+            gate_ups = [mx.random.normal((1, 2 * inn)).astype(mx.bfloat16) for _ in range(copies)]
+            mx.eval(gate_ups)
+            glu_attrs = {"activation": "silu", "width": inn}
+
+            def glu_row(gate_up):
+                return HANDLERS["glu"]([gate_up, None], glu_attrs, None)
+
+            def glu_kernel(gate_up, w):
+                return gemv.glu_gemv(gate_up, None, inn, "silu", w)
+
+            want = (glu_row(gate_ups[0]) @ ws[0].T).astype(mx.float32)
+            got = glu_kernel(gate_ups[0], ws[0]).astype(mx.float32)
+            error = mx.max(mx.abs(want - got)).item() / max(mx.max(mx.abs(want)).item(), 1e-6)
+            rows.append(("mlx glu+gemv", time_mlx(lambda gu, w: glu_row(gu) @ w.T, gate_ups, ws, args.repeats), nbytes))
+            rows.append((f"glu kernel (e{error:.0e})", time_mlx(glu_kernel, gate_ups, ws, args.repeats), nbytes))
         if args.torch:
             rows.append(("torch cuBLAS", time_torch(out, inn, copies, args.repeats), nbytes))
         if args.q4:
@@ -163,6 +182,10 @@ def main() -> None:
                 rows.append(("mlx add+norm+q4", time_mlx(lambda pair, p: qmm(mx.fast.rms_norm(
                     pair[0] + pair[1], g, 1e-5), p), pairs, packed, args.repeats), qbytes))  # fmt: skip
                 rows.append(("q4 add_norm kernel", time_mlx(fused, pairs, weights4, args.repeats), qbytes))
+            if (out, inn) in GLU_SITES:
+                rows.append(("mlx glu+q4", time_mlx(lambda gu, p: qmm(glu_row(gu), p), gate_ups, packed, args.repeats),
+                             qbytes))
+                rows.append(("q4 glu kernel", time_mlx(glu_kernel, gate_ups, weights4, args.repeats), qbytes))
         for name, seconds, moved in rows:
             rate = moved / seconds / 1e9
             print(f"{f'{out}x{inn}':>14} {copies:>6} {name:<22} {seconds * 1e6:>8.1f} {rate:>8.0f} "

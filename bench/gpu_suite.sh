@@ -7,7 +7,7 @@
 #                      BatchGenerator under the profiler ended in a segfault, so it is skipped)
 #   profile_b8_cell.log  the same for batched-cell
 #   gemv.log           bench/gpu_gemv.py: GEMV GB/s at the model's shapes, MLX's, runtime/mlx/gemv.py's kernel
-#                      at several tilings, cuBLAS, q4
+#                      at several tilings, cuBLAS, q4, and the fused norm and GLU against MLX's ops
 #   batches.log        --batches 8,32,64: batched-sequence vs mlx-lm's BatchGenerator, bf16
 #   decode_whole.log   segments (today's capture) vs the whole step as one compiled function, bf16
 #   kinds.log          --batches 8,32,64 on both batched layouts (sequence vs cell) and mlx-lm, bf16
