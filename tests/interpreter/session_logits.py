@@ -1,4 +1,5 @@
-"""Logits of a short prefill and decode, for comparing a program's load-time forms."""
+"""Logits of a short prefill and decode, and op names, for comparing a program's load-time
+forms."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -12,6 +13,11 @@ from mlx_pte.interpreter import program as program_module
 from mlx_pte.interpreter.session import Session
 
 PROMPT = [3, 17, 5, 9, 11, 2, 30, 8, 1, 4]
+
+
+def op_names(graph) -> list[str]:
+    """The ops of ``graph``'s instructions, in order."""
+    return [instr.op for instr in graph.instructions]
 
 
 def logits_of(program, capture: bool) -> np.ndarray:
