@@ -215,7 +215,8 @@ _EMULATED_PARAMETERS = {"shape": ("const int32_t*", "shapes"), "strides": ("cons
                         "ndim": ("int", "ndims")}
 
 
-def _program(spec: gemv_source.KernelSource, dtypes: dict[str, mx.Dtype], template: Sequence[tuple[str, object]]) -> str:
+def _program(spec: gemv_source.KernelSource, dtypes: dict[str, mx.Dtype],
+             template: Sequence[tuple[str, object]]) -> str:
     params, args = [], []
     index = -1  # of the array the parameter belongs to
     for name, kind in spec.parameters():

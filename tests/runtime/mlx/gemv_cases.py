@@ -17,6 +17,7 @@ from tests.runtime.mlx import cuda_emulation
 
 ON_CUDA = mx.cuda.is_available() and mx.default_device() == mx.gpu
 cuda_only = pytest.mark.skipif(not ON_CUDA, reason="the kernel runs on CUDA only")
+emulated = pytest.mark.skipif(ON_CUDA or not cuda_emulation.available(), reason="checks the CPU emulation")
 DTYPES = list(gemv.DTYPES)
 # Hypothesis examples: each is a kernel compiled anew (its shape is a template constant).
 EXAMPLES = 25 if ON_CUDA else 6
@@ -57,7 +58,6 @@ def assert_close(got: mx.array, x: mx.array, weight: mx.array) -> None:
     scale = max(float(np.abs(want).max()), 1.0)
     error = float(np.abs(np.array(got.astype(mx.float32), dtype=np.float64) - want).max())
     assert error <= TOLERANCE[x.dtype] * scale, (error, scale)
-
 
 
 def quantized(out_features: int, in_features: int, group_size: int, dtype: mx.Dtype, seed: int) -> gemv.Packed4:

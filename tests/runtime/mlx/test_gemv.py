@@ -24,7 +24,7 @@ import mlx.core as mx
 from mlx_pte.interpreter.handlers import HANDLERS, RunContext
 from mlx_pte.runtime.mlx import gemv, gemv_source
 from tests.runtime.mlx import cuda_emulation
-from tests.runtime.mlx.gemv_cases import (DTYPES, EXAMPLES, ON_CUDA, TILINGS, assert_close, cuda_only, dequantized,
+from tests.runtime.mlx.gemv_cases import (DTYPES, EXAMPLES, TILINGS, assert_close, cuda_only, dequantized, emulated,
                                           gpu_shapes, grid, oracle, quantized)
 from tests.runtime.mlx.gemv_cases import gpu_kernels, kernels_on  # noqa: F401  (fixtures)
 
@@ -242,7 +242,6 @@ def test_the_quantized_handlers_take_the_kernel_for_one_row(op, monkeypatch, gpu
 
 
 # -- the CPU emulation's own checks ------------------------------------------------------------
-emulated = pytest.mark.skipif(ON_CUDA or not cuda_emulation.available(), reason="checks the CPU emulation")
 
 
 @emulated

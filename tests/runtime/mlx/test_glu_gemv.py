@@ -21,8 +21,8 @@ import mlx.core as mx
 from mlx_pte.interpreter.handlers import HANDLERS, RunContext
 from mlx_pte.runtime.mlx import gemv, gemv_source
 from tests.runtime.mlx import cuda_emulation
-from tests.runtime.mlx.gemv_cases import (DTYPES, ON_CUDA, TILINGS, assert_close, dequantized, gpu_shapes, grid, oracle,
-                                          quantized)
+from tests.runtime.mlx.gemv_cases import (DTYPES, TILINGS, assert_close, dequantized, emulated, gpu_shapes, grid,
+                                          oracle, quantized)
 from tests.runtime.mlx.gemv_cases import gpu_kernels, kernels_on  # noqa: F401  (fixtures)
 
 ACTIVATIONS = list(gemv_source.GLU_ACTIVATIONS)
@@ -132,7 +132,7 @@ def test_the_glu_handlers_take_the_kernel_for_one_row(op, form, monkeypatch, gpu
     assert float(np.abs(np.array(got.astype(mx.float32), dtype=np.float64) - want).max()) <= 2e-2 * scale
 
 
-@pytest.mark.skipif(ON_CUDA or not cuda_emulation.available(), reason="checks the CPU emulation")
+@emulated
 def test_the_glu_row_is_read_16_bytes_a_load_where_the_layout_allows(gpu_kernels):
     weight = mx.ones((8, 256), mx.bfloat16)
     loads = {}
