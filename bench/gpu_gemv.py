@@ -7,7 +7,7 @@ residual add, ``rms_norm`` and GEMV are timed against the kernel that fuses them
 (``norm_gemv``); where the MLP's GLU feeds it (the down projection), MLX's split of the
 fused gate/up row, GLU and GEMV against the kernel that builds the GLU's row (``glu_gemv``).
 
-    python3 bench/gpu_gemv.py --wheels .whl [--tilings 8x1x4,4x2x4] [--torch] [--q4] [--peak GB/s]
+    python3 bench/gpu_gemv.py --wheels .whl [--tilings 8x1x4,4x2x4] [--shapes 2048x8192] [--torch] [--q4]
 
 Each timed eval runs one GEMV per weight copy, enough distinct copies that the weights
 (not the 50 MB L2) are what is read; time per GEMV = the eval's time / copies (median
@@ -93,6 +93,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--tilings", default="8x1x4,4x1x4,4x2x4,8x1x8,8x2x2",
                         help="the kernel's tilings, WARPSxROWSxUNROLL, comma-separated ('' for none)")
+    parser.add_argument("--shapes", default=",".join(f"{o}x{i}" for o, i in SHAPES),
+                        help="the weights' shapes, OUTxIN, comma-separated (default: the model's five)")
     parser.add_argument("--torch", action="store_true", help="also torch's cuBLAS GEMV")
     parser.add_argument("--q4", action="store_true", help="also MLX's quantized_matmul, 4 bits, group 64, and the "
                         "kernel on the same packed weights (each tiling, and with the fused norm)")
@@ -116,7 +118,7 @@ def main() -> None:
     tilings = parse_tilings(args.tilings)
     print(f"MLX {mx.__version__} on {device}; GB/s against {peak:.0f}")
     print(f"{'out x in':>14} {'copies':>6} {'impl':<22} {'us':>8} {'GB/s':>8} {'of peak':>8}")
-    for out, inn in SHAPES:
+    for out, inn in (tuple(int(n) for n in part.split("x")) for part in args.shapes.split(",") if part):
         nbytes = 2 * (out * inn + out + inn)
         copies = max(1, min(64, WORKING_SET // (2 * out * inn)))
         ws = [mx.random.normal((out, inn)).astype(mx.bfloat16) for _ in range(copies)]
@@ -151,14 +153,17 @@ def main() -> None:
             def glu_row(gate_up):
                 return HANDLERS["glu"]([gate_up, None], glu_attrs, None)
 
-            def glu_kernel(gate_up, w):
-                return gemv.glu_gemv(gate_up, None, inn, "silu", w)
+            def glu_kernel(gate_up, w, tiling=None):
+                return gemv.glu_gemv(gate_up, None, inn, "silu", w, tiling)
 
             want = (glu_row(gate_ups[0]) @ ws[0].T).astype(mx.float32)
-            got = glu_kernel(gate_ups[0], ws[0]).astype(mx.float32)
-            error = mx.max(mx.abs(want - got)).item() / max(mx.max(mx.abs(want)).item(), 1e-6)
             rows.append(("mlx glu+gemv", time_mlx(lambda gu, w: glu_row(gu) @ w.T, gate_ups, ws, args.repeats), nbytes))
-            rows.append((f"glu kernel (e{error:.0e})", time_mlx(glu_kernel, gate_ups, ws, args.repeats), nbytes))
+            for tiling in tilings:  # the row's prologue is built once a block: tilings weigh differently here
+                kernel = lambda gu, w, t=tiling: glu_kernel(gu, w, t)  # noqa: E731
+                got = kernel(gate_ups[0], ws[0]).astype(mx.float32)
+                error = mx.max(mx.abs(want - got)).item() / max(mx.max(mx.abs(want)).item(), 1e-6)
+                name = f"glu {tiling.warps}x{tiling.rows}x{tiling.unroll} (e{error:.0e})"
+                rows.append((name, time_mlx(kernel, gate_ups, ws, args.repeats), nbytes))
         if args.torch:
             rows.append(("torch cuBLAS", time_torch(out, inn, copies, args.repeats), nbytes))
         if args.q4:
@@ -185,7 +190,10 @@ def main() -> None:
             if (out, inn) in GLU_SITES:
                 rows.append(("mlx glu+q4", time_mlx(lambda gu, p: qmm(glu_row(gu), p), gate_ups, packed, args.repeats),
                              qbytes))
-                rows.append(("q4 glu kernel", time_mlx(glu_kernel, gate_ups, weights4, args.repeats), qbytes))
+                for tiling in tilings:
+                    kernel = lambda gu, w, t=tiling: glu_kernel(gu, w, t)  # noqa: E731
+                    name = f"q4 glu {tiling.warps}x{tiling.rows}x{tiling.unroll}"
+                    rows.append((name, time_mlx(kernel, gate_ups, weights4, args.repeats), qbytes))
         for name, seconds, moved in rows:
             rate = moved / seconds / 1e9
             print(f"{f'{out}x{inn}':>14} {copies:>6} {name:<22} {seconds * 1e6:>8.1f} {rate:>8.0f} "
