@@ -255,12 +255,12 @@ def gemv_settings_runner(pte: Path, prompt: list[int], n: int, capacity: int, **
             setattr(gemv, name, value)
 
 
-def parse_tiling(text: str) -> tuple[int, int, int]:
-    """``WARPS,ROWS,UNROLL`` (say ``4,2,4``) as three positive integers."""
+def parse_tiling(text: str) -> tuple[int, ...]:
+    """``WARPS,ROWS,UNROLL[,SPLIT]`` (say ``4,2,4`` or ``16,1,4,4``) as positive integers."""
     parts = text.split(",")
-    if len(parts) != 3 or not all(part.isdigit() and int(part) > 0 for part in parts):
-        raise argparse.ArgumentTypeError(f"a tiling is WARPS,ROWS,UNROLL (positive integers), got {text!r}")
-    return int(parts[0]), int(parts[1]), int(parts[2])
+    if len(parts) not in (3, 4) or not all(part.isdigit() and int(part) > 0 for part in parts):
+        raise argparse.ArgumentTypeError(f"a tiling is WARPS,ROWS,UNROLL[,SPLIT] (positive integers), got {text!r}")
+    return tuple(int(part) for part in parts)
 
 
 def main() -> None:
@@ -290,9 +290,10 @@ def main() -> None:
                              "launcher thread with MLX's ops for one-row linears and the norms before them "
                              "(mlx-pte-mlxgemv), and with the kernels but not their fused norm (mlx-pte-nonorm) or "
                              "their fused GLU (mlx-pte-noglu)")
-    parser.add_argument("--gemv-tiling", action="append", default=[], type=parse_tiling, metavar="W,R,U",
+    parser.add_argument("--gemv-tiling", action="append", default=[], type=parse_tiling, metavar="W,R,U[,S]",
                         help="with MLX_PTE_GEMV=1: add a row for mlx-pte on a launcher thread with the kernels laid "
-                             "out W warps a block, R rows a warp, U loads unrolled (mlx-pte-tWxRxU; repeatable)")
+                             "out W warps a block, R rows a group of S warps (default 1), U loads unrolled "
+                             "(mlx-pte-tWxRxU[xS]; repeatable)")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="also print cProfile's top N entries of one mlx-pte generate (first --pte), per capture")
     parser.add_argument("--skip", action="append", default=[], choices=["mlx-pte", "mlx-lm", "hf", "hf-static"])
@@ -384,11 +385,11 @@ def main() -> None:
                                     ("mlx-pte-noglu", "glu_enabled")):
                     runners[row, label] = gemv_settings_runner(pte, prompt, args.generate, capacity,
                                                                **{switch: False})
-            for warps, rows, unroll in args.gemv_tiling:
+            for sizes in args.gemv_tiling:
                 from mlx_pte.runtime.mlx.gemv import Tiling
 
-                runners[f"mlx-pte-t{warps}x{rows}x{unroll}", label] = gemv_settings_runner(
-                    pte, prompt, args.generate, capacity, tiling=Tiling(warps, rows, unroll))
+                runners[f"mlx-pte-t{'x'.join(map(str, sizes))}", label] = gemv_settings_runner(
+                    pte, prompt, args.generate, capacity, tiling=Tiling(*sizes))
             if args.baseline:
                 runners["mlx-pte-base", label] = PeerProcess(
                     [__file__, *sys.argv[1:], "--serve-baseline", label], os.environ)

@@ -7,7 +7,7 @@ residual add, ``rms_norm`` and GEMV are timed against the kernel that fuses them
 (``norm_gemv``); where the MLP's GLU feeds it (the down projection), MLX's split of the
 fused gate/up row, GLU and GEMV against the kernel that builds the GLU's row (``glu_gemv``).
 
-    python3 bench/gpu_gemv.py --wheels .whl [--tilings 8x1x4,4x2x4] [--shapes 2048x8192] [--torch] [--q4]
+    python3 bench/gpu_gemv.py --wheels .whl [--tilings 8x1x4,16x1x4x4] [--shapes 2048x8192] [--torch] [--q4]
 
 Each timed eval runs one GEMV per weight copy, enough distinct copies that the weights
 (not the 50 MB L2) are what is read; time per GEMV = the eval's time / copies (median
@@ -42,10 +42,15 @@ def peak_bandwidth() -> float:
 
 
 def time_mlx(fn, xs, ws, repeats: int) -> float:
-    """Median seconds per GEMV over ``repeats`` evals of one GEMV per weight copy."""
+    """Median seconds per GEMV over ``repeats`` evals of one GEMV per weight copy; NaN (and
+    the error on stderr) where the GPU refuses the kernel, so the other rows still run."""
     import mlx.core as mx
 
-    mx.eval([fn(x, w) for x, w in zip(xs, ws)])  # warm-up: JIT and graph capture
+    try:
+        mx.eval([fn(x, w) for x, w in zip(xs, ws)])  # warm-up: JIT and graph capture
+    except RuntimeError as error:
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        return float("nan")
     times = []
     for _ in range(repeats):
         # Built before the clock starts: mx.compile rebuilds a captured segment's graph
@@ -55,6 +60,19 @@ def time_mlx(fn, xs, ws, repeats: int) -> float:
         mx.eval(outputs)
         times.append((time.perf_counter() - t0) / len(ws))
     return statistics.median(times)
+
+
+def relative_error(want, fn, *args) -> str:
+    """The largest error of ``fn(*args)`` relative to the largest |want|, as a label ("failed",
+    and the error on stderr, where the GPU refuses the kernel)."""
+    import mlx.core as mx
+
+    try:
+        got = fn(*args).astype(mx.float32)
+        return f"e{mx.max(mx.abs(want - got)).item() / max(mx.max(mx.abs(want)).item(), 1e-6):.0e}"
+    except RuntimeError as error:
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        return "failed"
 
 
 def time_torch(out: int, inn: int, copies: int, repeats: int) -> float:
@@ -78,10 +96,10 @@ def time_torch(out: int, inn: int, copies: int, repeats: int) -> float:
 
 
 def parse_tilings(text: str):
-    """``WARPSxROWSxUNROLL,...`` as the kernel's tilings."""
+    """``WARPSxROWSxUNROLL[xSPLIT],...`` as the kernel's tilings."""
     from mlx_pte.runtime.mlx.gemv import Tiling
 
-    return [Tiling(*(int(n) for n in part.split("x"))) for part in text.split(",") if part]
+    return [Tiling.parse(part) for part in text.split(",") if part]
 
 
 def main() -> None:
@@ -91,8 +109,8 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=Path("/tmp/gpu_decode"), help="scratch folder")
     parser.add_argument("--peak", type=float, help="the GPU's memory bandwidth in GB/s (default: from its name)")
     parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--tilings", default="8x1x4,4x1x4,4x2x4,8x1x8,8x2x2",
-                        help="the kernel's tilings, WARPSxROWSxUNROLL, comma-separated ('' for none)")
+    parser.add_argument("--tilings", default="8x1x4,8x1x4x4,16x1x4x4,8x2x2x4,4x2x4",
+                        help="the kernel's tilings, WARPSxROWSxUNROLL[xSPLIT], comma-separated ('' for none)")
     parser.add_argument("--shapes", default=",".join(f"{o}x{i}" for o, i in SHAPES),
                         help="the weights' shapes, OUTxIN, comma-separated (default: the model's five)")
     parser.add_argument("--torch", action="store_true", help="also torch's cuBLAS GEMV")
@@ -117,7 +135,7 @@ def main() -> None:
     peak = args.peak or peak_bandwidth()
     tilings = parse_tilings(args.tilings)
     print(f"MLX {mx.__version__} on {device}; GB/s against {peak:.0f}")
-    print(f"{'out x in':>14} {'copies':>6} {'impl':<22} {'us':>8} {'GB/s':>8} {'of peak':>8}")
+    print(f"{'out x in':>14} {'copies':>6} {'impl':<24} {'us':>8} {'GB/s':>8} {'of peak':>8}")
     for out, inn in (tuple(int(n) for n in part.split("x")) for part in args.shapes.split(",") if part):
         nbytes = 2 * (out * inn + out + inn)
         copies = max(1, min(64, WORKING_SET // (2 * out * inn)))
@@ -127,10 +145,8 @@ def main() -> None:
         rows = [("mlx x@W.T", time_mlx(lambda x, w: x @ w.T, xs, ws, args.repeats), nbytes)]
         for tiling in tilings:
             kernel = lambda x, w, t=tiling: gemv.gemv(x, w, t)  # noqa: E731
-            want, got = (xs[0] @ ws[0].T).astype(mx.float32), kernel(xs[0], ws[0]).astype(mx.float32)
-            error = mx.max(mx.abs(want - got)).item() / max(mx.max(mx.abs(want)).item(), 1e-6)
-            name = f"{tiling.warps}x{tiling.rows}x{tiling.unroll} (e{error:.0e})"
-            rows.append((name, time_mlx(kernel, xs, ws, args.repeats), nbytes))
+            error = relative_error((xs[0] @ ws[0].T).astype(mx.float32), kernel, xs[0], ws[0])
+            rows.append((f"{tiling} ({error})", time_mlx(kernel, xs, ws, args.repeats), nbytes))
         if (out, inn) in NORM_SITES:  # a residual add and an rms_norm before the GEMV
             rs = [mx.random.normal((1, inn)).astype(mx.bfloat16) for _ in range(copies)]
             g = mx.ones((inn,), mx.bfloat16)
@@ -140,11 +156,13 @@ def main() -> None:
             def mlx_ops(pair, w):
                 return mx.fast.rms_norm(pair[0] + pair[1], g, 1e-5) @ w.T
 
-            def fused(pair, w):
-                return gemv.norm_gemv(pair[0], g, 1e-5, w, residual=pair[1])[0]
+            def fused(pair, w, tiling=None):
+                return gemv.norm_gemv(pair[0], g, 1e-5, w, residual=pair[1], layout=tiling)[0]
 
             rows.append(("mlx add+norm+gemv", time_mlx(mlx_ops, pairs, ws, args.repeats), nbytes))
-            rows.append(("add_norm kernel", time_mlx(fused, pairs, ws, args.repeats), nbytes))
+            for tiling in tilings:
+                kernel = lambda pair, w, t=tiling: fused(pair, w, t)  # noqa: E731
+                rows.append((f"add_norm {tiling}", time_mlx(kernel, pairs, ws, args.repeats), nbytes))
         if (out, inn) in GLU_SITES:  # the fused gate/up row, its halves read by the glu
             gate_ups = [mx.random.normal((1, 2 * inn)).astype(mx.bfloat16) for _ in range(copies)]
             mx.eval(gate_ups)
@@ -160,10 +178,8 @@ def main() -> None:
             rows.append(("mlx glu+gemv", time_mlx(lambda gu, w: glu_row(gu) @ w.T, gate_ups, ws, args.repeats), nbytes))
             for tiling in tilings:  # the row's prologue is built once a block: tilings weigh differently here
                 kernel = lambda gu, w, t=tiling: glu_kernel(gu, w, t)  # noqa: E731
-                got = kernel(gate_ups[0], ws[0]).astype(mx.float32)
-                error = mx.max(mx.abs(want - got)).item() / max(mx.max(mx.abs(want)).item(), 1e-6)
-                name = f"glu {tiling.warps}x{tiling.rows}x{tiling.unroll} (e{error:.0e})"
-                rows.append((name, time_mlx(kernel, gate_ups, ws, args.repeats), nbytes))
+                error = relative_error(want, kernel, gate_ups[0], ws[0])
+                rows.append((f"glu {tiling} ({error})", time_mlx(kernel, gate_ups, ws, args.repeats), nbytes))
         if args.torch:
             rows.append(("torch cuBLAS", time_torch(out, inn, copies, args.repeats), nbytes))
         if args.q4:
@@ -179,24 +195,24 @@ def main() -> None:
             want = qmm(xs[0], packed[0]).astype(mx.float32)
             for tiling in tilings:
                 kernel = lambda x, w, t=tiling: gemv.gemv(x, w, t)  # noqa: E731
-                got = kernel(xs[0], weights4[0]).astype(mx.float32)
-                error = mx.max(mx.abs(want - got)).item() / max(mx.max(mx.abs(want)).item(), 1e-6)
-                name = f"q4 {tiling.warps}x{tiling.rows}x{tiling.unroll} (e{error:.0e})"
-                rows.append((name, time_mlx(kernel, xs, weights4, args.repeats), qbytes))
+                error = relative_error(want, kernel, xs[0], weights4[0])
+                rows.append((f"q4 {tiling} ({error})", time_mlx(kernel, xs, weights4, args.repeats), qbytes))
             if (out, inn) in NORM_SITES:
                 rows.append(("mlx add+norm+q4", time_mlx(lambda pair, p: qmm(mx.fast.rms_norm(
                     pair[0] + pair[1], g, 1e-5), p), pairs, packed, args.repeats), qbytes))  # fmt: skip
-                rows.append(("q4 add_norm kernel", time_mlx(fused, pairs, weights4, args.repeats), qbytes))
+                for tiling in tilings:
+                    kernel = lambda pair, w, t=tiling: fused(pair, w, t)  # noqa: E731
+                    rows.append((f"q4 add_norm {tiling}", time_mlx(kernel, pairs, weights4, args.repeats), qbytes))
             if (out, inn) in GLU_SITES:
                 rows.append(("mlx glu+q4", time_mlx(lambda gu, p: qmm(glu_row(gu), p), gate_ups, packed, args.repeats),
                              qbytes))
                 for tiling in tilings:
                     kernel = lambda gu, w, t=tiling: glu_kernel(gu, w, t)  # noqa: E731
-                    name = f"q4 glu {tiling.warps}x{tiling.rows}x{tiling.unroll}"
+                    name = f"q4 glu {tiling}"
                     rows.append((name, time_mlx(kernel, gate_ups, weights4, args.repeats), qbytes))
         for name, seconds, moved in rows:
             rate = moved / seconds / 1e9
-            print(f"{f'{out}x{inn}':>14} {copies:>6} {name:<22} {seconds * 1e6:>8.1f} {rate:>8.0f} "
+            print(f"{f'{out}x{inn}':>14} {copies:>6} {name:<24} {seconds * 1e6:>8.1f} {rate:>8.0f} "
                   f"{rate / peak:>8.0%}", flush=True)
         del ws, xs
 

@@ -41,7 +41,7 @@ from mlx_pte.runtime.mlx import gemv, gemv_source  # noqa: E402
 MLX_HEADER = '#include "mlx/backend/cuda/device/utils.cuh"\n\n#include <cooperative_groups.h>\n\n'
 # (out, in) shapes: aligned for the 16-byte loads, odd, and the longest rows a norm stages.
 SHAPES = ((3072, 2048), (37, 256), (2048, 8192))
-TILINGS = (gemv.Tiling(), gemv.Tiling(4, 2, 8))
+TILINGS = (gemv.Tiling(), gemv.Tiling(4, 2, 8), gemv.Tiling(16, 1, 4, 4))
 
 
 def full_source(spec: gemv_source.KernelSource, function: str, dtypes: dict[str, mx.Dtype],
@@ -96,8 +96,7 @@ def main() -> int:
             for dtype in (mx.bfloat16, mx.float16, mx.float32):
                 for (out_features, in_features), tiling in zip(SHAPES, TILINGS * 2):
                     dtypes = {name: dtype for name in (*spec.inputs, *spec.outputs)}
-                    template = [("T", dtype), ("OUT", out_features), ("IN", in_features), ("WARPS", tiling.warps),
-                                ("ROWS", tiling.rows), ("UNROLL", tiling.unroll)]
+                    template = [("T", dtype), ("OUT", out_features), ("IN", in_features), *tiling.template()]
                     if packed:
                         dtypes["w"] = mx.uint32
                         template.append(("GROUP", 64))

@@ -34,12 +34,33 @@ STAGED_BYTES = 32 * 1024
 
 @dataclass(frozen=True)
 class Tiling:
-    """How the kernel lays rows over the GPU: warps per block, rows per warp, and how many
-    16-byte loads of a lane's loop the compiler unrolls (loads in flight per lane)."""
+    """How the kernel lays rows over the GPU: warps per block, rows per group of ``split``
+    warps (which share each row's loads), and how many 16-byte loads of a lane's loop the
+    compiler unrolls."""
 
     warps: int = 8
     rows: int = 1
     unroll: int = 4
+    split: int = 1
+
+    def __post_init__(self) -> None:
+        if min(self.warps, self.rows, self.unroll, self.split) < 1 or self.warps > 32 or self.warps % self.split:
+            raise ValueError(f"a tiling needs 1-32 warps, whole groups of split warps and positive sizes, got {self}")
+
+    @classmethod
+    def parse(cls, text: str) -> "Tiling":
+        """``WARPSxROWSxUNROLL`` or ``WARPSxROWSxUNROLLxSPLIT``, as the benchmarks take them."""
+        sizes = text.split("x")
+        if len(sizes) not in (3, 4) or not all(size.isdigit() for size in sizes):
+            raise ValueError(f"a tiling is WARPSxROWSxUNROLL[xSPLIT] (say 8x1x4x2), got {text!r}")
+        return cls(*(int(size) for size in sizes))
+
+    def __str__(self) -> str:
+        return f"{self.warps}x{self.rows}x{self.unroll}x{self.split}"
+
+    def template(self) -> list[tuple[str, int]]:
+        """The kernel's template arguments for this tiling."""
+        return [("WARPS", self.warps), ("ROWS", self.rows), ("UNROLL", self.unroll), ("SPLIT", self.split)]
 
 
 @dataclass(frozen=True)
@@ -154,13 +175,12 @@ def _call(row_kind: str, inputs: list[mx.array], weight: Weight, extra: list, la
     packed = isinstance(weight, Packed4)
     parts = [weight.weight, weight.scales, weight.biases] if packed else [weight]
     group = [("GROUP", weight.group_size)] if packed else []
-    blocks = -(-out_features // (layout.warps * layout.rows))
+    blocks = -(-out_features // (layout.warps // layout.split * layout.rows))
     # Leading axes of the row are all 1, so the flat rows the kernel writes are this shape.
     shapes = [(*row.shape[:-1], out_features), row.shape][:outputs]
     return _kernel(packed, row_kind)(
         inputs=[*parts, *inputs],
-        template=[("T", row.dtype), ("OUT", out_features), ("IN", in_features), ("WARPS", layout.warps),
-                  ("ROWS", layout.rows), ("UNROLL", layout.unroll), *group, *extra],
+        template=[("T", row.dtype), ("OUT", out_features), ("IN", in_features), *layout.template(), *group, *extra],
         grid=(blocks * 32 * layout.warps, 1, 1),
         threadgroup=(32 * layout.warps, 1, 1),
         output_shapes=shapes,

@@ -1,9 +1,12 @@
 """The CUDA source of ``gemv.py``'s kernels: one row times a weight, the row built first
 from the input as given, from an rms_norm (after a residual add) or from a GLU.
 
-Layout: ``WARPS`` warps per block, each warp computing ``ROWS`` consecutive output rows;
-a lane reads every 32nd 16-byte chunk of its rows and of x, accumulates in float, and the
-warp sums its lanes by shuffles. Strides are read from the arrays, so no input is copied:
+Layout: ``WARPS`` warps per block in groups of ``SPLIT``, each group computing ``ROWS``
+consecutive output rows; the group's warps take turns over a row's runs of 32 16-byte
+chunks, a lane reading one chunk of a run, of each row and of x, and accumulating in float.
+A warp sums its lanes by shuffles and, with SPLIT > 1, the group's first warp sums the
+group's warps through shared memory. A long row over few outputs (the down projection's
+8192 features over 2048 rows) needs SPLIT: one warp a row leaves too few loads in flight. Strides are read from the arrays, so no input is copied:
 rows whose stride, alignment or inner stride rule out 16-byte loads take a strided loop
 (the branch is uniform over the whole grid).
 """
@@ -77,17 +80,36 @@ _ROW_FROM_GLU = """
         return static_cast<T>(static_cast<float>(act) * static_cast<float>(up_value));
     }};
     constexpr int GLU_VEC = 16 / sizeof(T);  // elements per 16-byte load
+    constexpr int GLU_CHUNKS = IN / GLU_VEC;
+    constexpr int GLU_LOADS = 4;  // chunks of gate and of up a thread loads before using any
     const bool glu_vector = gate_step == 1 && up_step == 1 && IN % GLU_VEC == 0
         && (reinterpret_cast<size_t>(gate) % 16) == 0 && (reinterpret_cast<size_t>(up_row) % 16) == 0;
     if (glu_vector) {{
-        for (int c = threadIdx.x; c < IN / GLU_VEC; c += WARPS * 32) {{
-            const PteChunk gate_chunk = reinterpret_cast<const PteChunk*>(gate)[c];
-            const PteChunk up_chunk = reinterpret_cast<const PteChunk*>(up_row)[c];
-            const T* gates = reinterpret_cast<const T*>(&gate_chunk);
-            const T* ups = reinterpret_cast<const T*>(&up_chunk);
+        // All loads of a pass are issued before the first is used, so a pass costs one trip
+        // to L2, not GLU_LOADS; the GLU_VEC results of a chunk go to shared memory in one store.
+        for (int base = threadIdx.x; base < GLU_CHUNKS; base += GLU_LOADS * WARPS * 32) {{
+            PteChunk gate_chunks[GLU_LOADS];
+            PteChunk up_chunks[GLU_LOADS];
             #pragma unroll
-            for (int j = 0; j < GLU_VEC; ++j) {{
-                glued[c * GLU_VEC + j] = glu_value(gates[j], ups[j]);
+            for (int k = 0; k < GLU_LOADS; ++k) {{
+                const int c = base + k * WARPS * 32;
+                gate_chunks[k] = c < GLU_CHUNKS ? reinterpret_cast<const PteChunk*>(gate)[c] : PteChunk{{}};
+                up_chunks[k] = c < GLU_CHUNKS ? reinterpret_cast<const PteChunk*>(up_row)[c] : PteChunk{{}};
+            }}
+            #pragma unroll
+            for (int k = 0; k < GLU_LOADS; ++k) {{
+                const int c = base + k * WARPS * 32;
+                if (c < GLU_CHUNKS) {{
+                    const T* gates = reinterpret_cast<const T*>(&gate_chunks[k]);
+                    const T* ups = reinterpret_cast<const T*>(&up_chunks[k]);
+                    PteChunk glued_chunk;
+                    T* values = reinterpret_cast<T*>(&glued_chunk);
+                    #pragma unroll
+                    for (int j = 0; j < GLU_VEC; ++j) {{
+                        values[j] = glu_value(gates[j], ups[j]);
+                    }}
+                    staged[c] = glued_chunk;
+                }}
             }}
         }}
     }} else {{
@@ -111,12 +133,17 @@ _SUM_ROW = {
            "if (blockIdx.x == 0) { total_row[i] = h; }"),
 }
 
-# Each warp takes ROWS consecutive output rows from ``first``; after the row's set-up, which
-# may synchronize the block, a warp with no rows leaves here.
+# Each group of SPLIT warps takes ROWS consecutive output rows from ``first``, its warp
+# ``part`` the runs part, part + SPLIT, ... of each row. After the row's set-up, which may
+# synchronize the block, a warp with no rows leaves here, unless its group's sum below
+# synchronizes the block again (it then reads its rows clamped to the last, as spare rows do).
 _WARP_ROWS = """
+    static_assert(WARPS % SPLIT == 0, "a block holds whole groups of SPLIT warps");
     const int lane = threadIdx.x % 32;
-    const int first = (blockIdx.x * WARPS + threadIdx.x / 32) * ROWS;
-    if (first >= OUT) {
+    const int warp = threadIdx.x / 32;
+    const int part = warp % SPLIT;
+    const int first = (blockIdx.x * (WARPS / SPLIT) + warp / SPLIT) * ROWS;
+    if (SPLIT == 1 && first >= OUT) {
         return;
     }
     float acc[ROWS];
@@ -143,14 +170,14 @@ _DENSE_DOT = """
     if (vector) {
         // UNROLL chunks of x and of each row are loaded before any is used, so a lane keeps
         // that many 16-byte loads per row in flight; chunks past the row's end load as zeros.
-        constexpr int STEPS = (CHUNKS + 31) / 32;
+        constexpr int STEPS = (CHUNKS + 32 * SPLIT - 1) / (32 * SPLIT);  // runs of 32 chunks a warp reads
         const PteChunk* xv = reinterpret_cast<const PteChunk*>(x);
         for (int step = 0; step < STEPS; step += UNROLL) {
             PteChunk xc[UNROLL];
             PteChunk wc[UNROLL][ROWS];
             #pragma unroll
             for (int u = 0; u < UNROLL; ++u) {
-                const int i = lane + (step + u) * 32;
+                const int i = lane + ((step + u) * SPLIT + part) * 32;
                 const bool inside = step + u < STEPS && i < CHUNKS;
                 xc[u] = inside ? xv[i] : PteChunk{};
                 #pragma unroll
@@ -172,7 +199,7 @@ _DENSE_DOT = """
             }
         }
     } else {
-        for (int i = lane; i < IN; i += 32) {
+        for (int i = lane + part * 32; i < IN; i += 32 * SPLIT) {
             const float xi = static_cast<float>(x[i * x_stride]);
             #pragma unroll
             for (int r = 0; r < ROWS; ++r) {
@@ -208,14 +235,14 @@ _AFFINE4_DOT = """
     if (vector) {
         // As in the dense dot: UNROLL chunks of each row (with their scale and bias) are
         // loaded before any is used; x is read where it is used (it stays in L1).
-        constexpr int STEPS = (CHUNKS + 31) / 32;
+        constexpr int STEPS = (CHUNKS + 32 * SPLIT - 1) / (32 * SPLIT);
         for (int step = 0; step < STEPS; step += UNROLL) {
             PteChunk wc[UNROLL][ROWS];
             float sc[UNROLL][ROWS];
             float bc[UNROLL][ROWS];
             #pragma unroll
             for (int u = 0; u < UNROLL; ++u) {
-                const int i = lane + (step + u) * 32;
+                const int i = lane + ((step + u) * SPLIT + part) * 32;
                 const bool inside = step + u < STEPS && i < CHUNKS;
                 #pragma unroll
                 for (int r = 0; r < ROWS; ++r) {
@@ -226,7 +253,7 @@ _AFFINE4_DOT = """
             }
             #pragma unroll
             for (int u = 0; u < UNROLL; ++u) {
-                const int i = lane + (step + u) * 32;
+                const int i = lane + ((step + u) * SPLIT + part) * 32;
                 if (step + u >= STEPS || i >= CHUNKS) {
                     continue;
                 }
@@ -259,7 +286,7 @@ _AFFINE4_DOT = """
             }
         }
     } else {
-        for (int i = lane; i < IN; i += 32) {
+        for (int i = lane + part * 32; i < IN; i += 32 * SPLIT) {
             const float xi = static_cast<float>(x[i * x_stride]);
             #pragma unroll
             for (int r = 0; r < ROWS; ++r) {
@@ -271,7 +298,8 @@ _AFFINE4_DOT = """
     }
 """
 
-# The warp's sums into y.
+# The warp's sums into y; with SPLIT > 1, the group's first warp adds the group's sums, in
+# order of part (the same order on every run).
 _WRITE_ROWS = """
     #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
@@ -280,7 +308,25 @@ _WRITE_ROWS = """
             acc[r] += __shfl_xor_sync(0xffffffff, acc[r], offset);
         }
     }
-    if (lane == 0) {
+    if (SPLIT > 1) {
+        __shared__ float group_sums[WARPS][ROWS];
+        if (lane == 0) {
+            #pragma unroll
+            for (int r = 0; r < ROWS; ++r) {
+                group_sums[warp][r] = acc[r];
+            }
+        }
+        __syncthreads();
+        #pragma unroll
+        for (int r = 0; r < ROWS; ++r) {
+            acc[r] = 0.0f;
+            #pragma unroll
+            for (int p = 0; p < SPLIT; ++p) {
+                acc[r] += group_sums[warp - part + p][r];
+            }
+        }
+    }
+    if (lane == 0 && part == 0) {
         #pragma unroll
         for (int r = 0; r < ROWS; ++r) {
             if (first + r < OUT) {

@@ -43,7 +43,10 @@ def grid(*axes: list) -> list:
 # Relative to the largest |y|: float32 accumulates in a different order than numpy; the
 # half types also round the result to their 8 or 11 mantissa bits.
 TOLERANCE = {mx.float32: 1e-5, mx.float16: 2e-3, mx.bfloat16: 1e-2}
-TILINGS = [gemv.Tiling(8, 1, 4), gemv.Tiling(4, 2, 4), gemv.Tiling(8, 1, 8), gemv.Tiling(4, 1, 2)]
+# The default, then a split one (each row's loads shared by 4 warps, 2 rows a group), so the
+# fused rows' tests, which take the first two, cover both ways of summing a row.
+TILINGS = [gemv.Tiling(8, 1, 4), gemv.Tiling(8, 2, 2, 4), gemv.Tiling(4, 2, 4), gemv.Tiling(8, 1, 8),
+           gemv.Tiling(16, 1, 4, 2)]
 
 
 def oracle(x: mx.array, weight: mx.array) -> np.ndarray:

@@ -47,6 +47,17 @@ def test_the_kernels_are_off_unless_asked_for(monkeypatch):
         assert importlib.reload(gemv).enabled is on
 
 
+def test_a_tiling_the_kernel_cannot_take_is_refused_when_made():
+    assert gemv.Tiling.parse("16x1x4x4") == gemv.Tiling(16, 1, 4, 4)
+    assert gemv.Tiling.parse("4x2x8").split == 1
+    for warps, rows, unroll, split in ((8, 1, 4, 3), (64, 1, 4, 1), (8, 0, 4, 1), (0, 1, 4, 1)):
+        with pytest.raises(ValueError, match="a tiling needs"):
+            gemv.Tiling(warps, rows, unroll, split)
+    for text in ("8x1", "8x1x4x2x1", "eightx1x4"):
+        with pytest.raises(ValueError, match="WARPSxROWSxUNROLL"):
+            gemv.Tiling.parse(text)
+
+
 def test_only_one_row_of_a_matching_dtype_is_taken(monkeypatch, kernels_on):
     # As on a GPU wherever this runs: then only the operands decide.
     monkeypatch.setattr(gemv, "_ON_CUDA", True)
