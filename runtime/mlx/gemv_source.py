@@ -25,20 +25,54 @@ _ROW_FROM_INPUT = """
 # itself (a few KB read from L2), so the norm, and the residual add before it, cost no
 # kernel of their own. Rounding follows ``rms_norm``'s catalog rule: the sum rounded to T,
 # x * rsqrt(mean(x**2) + eps) in float rounded to T, times the weight rounded to T.
-# {sum_row} / {write_sum} read the residual and write the sum (block 0), or not.
+# Where the operands are contiguous and start on 16 bytes, each pass reads them 16 bytes a
+# load, NORM_LOADS chunks of each loaded before any is used (one trip to L2 a pass, where
+# one element a load costs a trip for every few elements); else one element a load.
+# The {...} fields read the residual and write the sum (block 0), or not: _NORM_OPERANDS.
 _ROW_FROM_NORM = """
     __shared__ PteChunk staged[(IN * sizeof(T) + 15) / 16];  // 16-byte aligned for the loads below
     __shared__ float partial[WARPS];
     T* normed = reinterpret_cast<T*>(staged);
     const long long a_step = a_strides[a_ndim - 1];
     const long long g_step = g_strides[g_ndim - 1];
+    constexpr int NORM_VEC = 16 / sizeof(T);  // elements per 16-byte load
+    constexpr int NORM_CHUNKS = IN / NORM_VEC;
+    constexpr int NORM_LOADS = 4;
+    const bool sum_vector = a_step == 1 && IN % NORM_VEC == 0 && (reinterpret_cast<size_t>(a) % 16) == 0{sum_aligned};
     float squares = 0.0f;
-    for (int i = threadIdx.x; i < IN; i += WARPS * 32) {{
-        const T h = {sum_row};
-        {write_sum}
-        const float hf = static_cast<float>(h);
-        squares += hf * hf;
-        normed[i] = h;
+    if (sum_vector) {{
+        for (int base = threadIdx.x; base < NORM_CHUNKS; base += NORM_LOADS * WARPS * 32) {{
+            PteChunk a_chunks[NORM_LOADS];{declare_b}
+            #pragma unroll
+            for (int k = 0; k < NORM_LOADS; ++k) {{
+                const int c = base + k * WARPS * 32;
+                a_chunks[k] = c < NORM_CHUNKS ? reinterpret_cast<const PteChunk*>(a)[c] : PteChunk{{}};{load_b}
+            }}
+            #pragma unroll
+            for (int k = 0; k < NORM_LOADS; ++k) {{
+                const int c = base + k * WARPS * 32;
+                if (c < NORM_CHUNKS) {{
+                    const T* as = reinterpret_cast<const T*>(&a_chunks[k]);{view_b}
+                    PteChunk h_chunk;
+                    T* hs = reinterpret_cast<T*>(&h_chunk);
+                    #pragma unroll
+                    for (int j = 0; j < NORM_VEC; ++j) {{
+                        hs[j] = {vector_sum};
+                        const float hf = static_cast<float>(hs[j]);
+                        squares += hf * hf;
+                    }}
+                    staged[c] = h_chunk;{vector_write}
+                }}
+            }}
+        }}
+    }} else {{
+        for (int i = threadIdx.x; i < IN; i += WARPS * 32) {{
+            const T h = {scalar_sum};
+            {scalar_write}
+            const float hf = static_cast<float>(h);
+            squares += hf * hf;
+            normed[i] = h;
+        }}
     }}
     #pragma unroll
     for (int offset = 16; offset > 0; offset /= 2) {{
@@ -54,9 +88,39 @@ _ROW_FROM_NORM = """
         total += partial[w];
     }}
     const float scale = rsqrtf(total / IN + __int_as_float(EPS));
-    for (int i = threadIdx.x; i < IN; i += WARPS * 32) {{
-        const T unit = static_cast<T>(static_cast<float>(normed[i]) * scale);
-        normed[i] = static_cast<T>(static_cast<float>(unit) * static_cast<float>(g[i * g_step]));
+    const auto normalize = [scale](T h, T weight) {{
+        const T unit = static_cast<T>(static_cast<float>(h) * scale);
+        return static_cast<T>(static_cast<float>(unit) * static_cast<float>(weight));
+    }};
+    if (g_step == 1 && IN % NORM_VEC == 0 && (reinterpret_cast<size_t>(g) % 16) == 0) {{
+        // Each thread rewrites the chunks it wrote above (or, after the scalar pass, others:
+        // the barrier above orders them).
+        for (int base = threadIdx.x; base < NORM_CHUNKS; base += NORM_LOADS * WARPS * 32) {{
+            PteChunk g_chunks[NORM_LOADS];
+            #pragma unroll
+            for (int k = 0; k < NORM_LOADS; ++k) {{
+                const int c = base + k * WARPS * 32;
+                g_chunks[k] = c < NORM_CHUNKS ? reinterpret_cast<const PteChunk*>(g)[c] : PteChunk{{}};
+            }}
+            #pragma unroll
+            for (int k = 0; k < NORM_LOADS; ++k) {{
+                const int c = base + k * WARPS * 32;
+                if (c < NORM_CHUNKS) {{
+                    PteChunk chunk = staged[c];
+                    T* hs = reinterpret_cast<T*>(&chunk);
+                    const T* gs = reinterpret_cast<const T*>(&g_chunks[k]);
+                    #pragma unroll
+                    for (int j = 0; j < NORM_VEC; ++j) {{
+                        hs[j] = normalize(hs[j], gs[j]);
+                    }}
+                    staged[c] = chunk;
+                }}
+            }}
+        }}
+    }} else {{
+        for (int i = threadIdx.x; i < IN; i += WARPS * 32) {{
+            normed[i] = normalize(normed[i], g[i * g_step]);
+        }}
     }}
     __syncthreads();
     const T* x = normed;
@@ -127,10 +191,21 @@ GLU_ACTIVATIONS = {
     "gelu": "0.5f * g * (1.0f + erff(g / 1.4142135623730951f))",
     "gelu_tanh": "0.5f * g * (1.0f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g)))",
 }
-_SUM_ROW = {
-    False: ("a[i * a_step]", ""),
-    True: ("static_cast<T>(static_cast<float>(a[i * a_step]) + static_cast<float>(b[i * b_strides[b_ndim - 1]]))",
-           "if (blockIdx.x == 0) { total_row[i] = h; }"),
+# The residual's parts of _ROW_FROM_NORM (with none, the row is a as it is).
+_NORM_OPERANDS = {
+    False: dict(sum_aligned="", declare_b="", load_b="", view_b="", vector_sum="as[j]", vector_write="",
+                scalar_sum="a[i * a_step]", scalar_write=""),
+    True: dict(
+        sum_aligned=(" && b_strides[b_ndim - 1] == 1 && (reinterpret_cast<size_t>(b) % 16) == 0"
+                     " && (reinterpret_cast<size_t>(total_row) % 16) == 0"),
+        declare_b="\n            PteChunk b_chunks[NORM_LOADS];",
+        load_b="\n                b_chunks[k] = c < NORM_CHUNKS ? reinterpret_cast<const PteChunk*>(b)[c] : PteChunk{};",
+        view_b="\n                    const T* bs = reinterpret_cast<const T*>(&b_chunks[k]);",
+        vector_sum="static_cast<T>(static_cast<float>(as[j]) + static_cast<float>(bs[j]))",
+        vector_write="\n                    if (blockIdx.x == 0) { reinterpret_cast<PteChunk*>(total_row)[c] = h_chunk; }",
+        scalar_sum="static_cast<T>(static_cast<float>(a[i * a_step]) + static_cast<float>(b[i * b_strides[b_ndim - 1]]))",
+        scalar_write="if (blockIdx.x == 0) { total_row[i] = h; }",
+    ),
 }
 
 # Each group of SPLIT warps takes ROWS consecutive output rows from ``first``, its warp
@@ -386,10 +461,9 @@ def kernel_source(packed: bool, row: str) -> KernelSource:
         inputs, outputs, prologue = ("gate", "up"), ("y",), _ROW_FROM_GLU.format(activation=activation)
     else:
         residual = row == "add_norm"
-        sum_row, write_sum = _SUM_ROW[residual]
         inputs = ("a", "b", "g") if residual else ("a", "g")
         outputs = ("y", "total_row") if residual else ("y",)
-        prologue = _ROW_FROM_NORM.format(sum_row=sum_row, write_sum=write_sum)
+        prologue = _ROW_FROM_NORM.format(**_NORM_OPERANDS[residual])
     weights, dot = (("w", "scales", "biases"), _AFFINE4_DOT) if packed else (("w",), _DENSE_DOT)
     return KernelSource(f"mlx_pte_{'q4_' if packed else ''}{row}_gemv", weights + inputs, outputs,
                         prologue + _WARP_ROWS + dot + _WRITE_ROWS)

@@ -153,22 +153,67 @@ def test_the_fused_norm_matches_the_ops_it_replaces(residual, tiling, dtype, sha
     assert_fused_norm_matches(residual, dtype, dense, dense, tiling)
 
 
+# How the norm's operands reach the kernel: whole rows (16-byte loads), the row and residual
+# as strided views, each starting 3 elements into a buffer (not on 16 bytes), or the norm
+# weight a strided view; the last three take the one-element loops.
+NORM_FORMS = ["contiguous", "strided", "offset", "strided_weight"]
+
+
+def norm_operands(form: str, residual: bool, in_features: int, dtype: mx.Dtype,
+                  rng: np.random.Generator) -> tuple[mx.array, mx.array | None, mx.array]:
+    """(x, the residual or None, the norm weight) laid out as ``form`` says."""
+    cast = lambda a: mx.array(a.astype(np.float32)).astype(dtype)  # noqa: E731
+    step, start = (2, 0) if form == "strided" else (1, 3) if form == "offset" else (1, 0)
+
+    def row(scale: float) -> mx.array:
+        whole = cast(rng.standard_normal((1, 1, start + step * in_features)) * scale)
+        return whole[..., start::step]
+
+    x = row(3)
+    other = row(1) if residual else None
+    weight_step = 2 if form == "strided_weight" else 1
+    norm_weight = cast(1 + 0.1 * rng.standard_normal(weight_step * in_features))[::weight_step]
+    return x, other, norm_weight
+
+
 def assert_fused_norm_matches(residual: bool, dtype: mx.Dtype, weight: gemv.Weight, dense: mx.array,
-                              tiling: gemv.Tiling | None = None) -> None:
+                              tiling: gemv.Tiling | None = None, form: str = "contiguous") -> None:
     """norm_gemv against rms_norm_oracle (of x + a residual, or of x) times ``dense`` (the
     weight's values), and its sum output against MLX's add rounded to the dtype."""
     in_features = dense.shape[1]
-    rng = np.random.default_rng(in_features)
-    cast = lambda a: mx.array(a.astype(np.float32)).astype(dtype)  # noqa: E731
-    x = cast(rng.standard_normal((1, 1, in_features)) * 3)
-    other = cast(rng.standard_normal((1, 1, in_features))) if residual else None
-    norm_weight = cast(1 + 0.1 * rng.standard_normal(in_features))
+    x, other, norm_weight = norm_operands(form, residual, in_features, dtype, np.random.default_rng(in_features))
     assert gemv.norm_available(x, norm_weight, weight, other)
     got, total = gemv.norm_gemv(x, norm_weight, 1e-5, weight, residual=other, layout=tiling)
     h = x if other is None else (x.astype(mx.float32) + other.astype(mx.float32)).astype(dtype)
     assert np.array_equal(np.array(total.astype(mx.float32)), np.array(h.astype(mx.float32)))
     normed = rms_norm_oracle(np.array(h.astype(mx.float32), dtype=np.float64), norm_weight, 1e-5, dtype)
     assert_close(got, normed, dense)
+
+
+@pytest.mark.parametrize("residual,form", grid([False, True], NORM_FORMS))
+def test_the_fused_norm_reads_its_operands_in_any_layout(residual, form, gpu_kernels):
+    rng = np.random.default_rng(14)
+    weight = mx.array((rng.standard_normal((24, 264)) / 16).astype(np.float32)).astype(mx.bfloat16)
+    assert_fused_norm_matches(residual, mx.bfloat16, weight, weight, form=form)
+
+
+@emulated
+@pytest.mark.parametrize("residual", [False, True])
+def test_the_norm_row_is_read_16_bytes_a_load_where_the_layout_allows(residual, gpu_kernels):
+    weight = mx.ones((8, 256), mx.bfloat16)
+    loads = {}
+    for form in NORM_FORMS:
+        x, other, norm_weight = norm_operands(form, residual, 256, mx.bfloat16, np.random.default_rng(15))
+        mx.eval(gemv.norm_gemv(x, norm_weight, 1e-5, weight, residual=other))
+        loads[form] = cuda_emulation.last_launch.chunk_loads
+    # The dot loop reads the staged row and the weight alike in every form. The first pass
+    # reads x (and the residual) by chunks where both allow it; the second, the norm weight
+    # and the staged row, where the norm weight does. bfloat16: 256 features are 32 chunks,
+    # read by each of the blocks.
+    blocks, chunks = -(-8 // (gemv.tiling.warps * gemv.tiling.rows)), 256 // 8
+    assert loads["contiguous"] - loads["offset"] == blocks * (2 if residual else 1) * chunks
+    assert loads["contiguous"] - loads["strided_weight"] == blocks * 2 * chunks
+    assert loads["offset"] == loads["strided"]
 
 
 # -- 4-bit affine weights (gemv.Packed4) ---------------------------------------------------
