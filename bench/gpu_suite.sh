@@ -32,8 +32,8 @@
 #   gemv_forms.log     prompt 128, 128 generated, bf16 and q4, 9 rounds: mlx-pte with runtime/mlx/gemv.py's
 #                      kernels (MLX_PTE_GEMV=1) inline and on a thread, on a thread with MLX's ops for one-row
 #                      linears and their norms and GLUs (mlx-pte-mlxgemv), without the fused norm
-#                      (mlx-pte-nonorm), without the fused GLU (mlx-pte-noglu), and with the kernels tiled
-#                      4 warps x 2 rows x 4 loads (mlx-pte-t4x2x4), vs mlx-lm; with BASELINE=CHECKOUT also
+#                      (mlx-pte-nonorm), without the fused GLU (mlx-pte-noglu), and with each row's loads
+#                      shared by 2 and by 4 warps (mlx-pte-t8x1x4x2, -t8x1x4x4), vs mlx-lm; with BASELINE=CHECKOUT also
 #                      mlx-pte from that checkout (mlx-pte-base). Other steps run the kernels where the
 #                      caller sets MLX_PTE_GEMV=1
 #   gpu_tests.log      the tests that run only on CUDA (tests/runtime/mlx/test_decode_attention.py,
@@ -103,7 +103,7 @@ step profile_b8 120 "$PY" bench/gpu_profile.py --pte bf16=.gpu/llama1b-bf16.pte.
     --generate 32 --batch 8 --top 24 --skip mlx-lm
 step profile_b8_cell 90 "$PY" bench/gpu_profile.py --pte bf16=.gpu/llama1b-bf16.pte.gz "${COMMON[@]}" --prompt 128 \
     --generate 32 --batch 8 --top 24 --kind batched-cell --skip mlx-lm
-step gemv 90 "$PY" bench/gpu_gemv.py --site "$SITE" --torch --q4
+step gemv 300 "$PY" bench/gpu_gemv.py --site "$SITE" --torch --q4
 step batches 90 "$PY" bench/gpu_decode.py --pte bf16=.gpu/llama1b-bf16.pte.gz "${COMMON[@]}" --prompt 128 \
     --generate 64 --batches 8,32,64
 step decode_whole 75 "$PY" bench/gpu_decode.py --pte bf16=.gpu/llama1b-bf16.pte.gz "${COMMON[@]}" --prompt 128 \
@@ -138,7 +138,7 @@ step ops_per_graph 180 "$PY" bench/gpu_decode.py "${BF16_LAUNCH[@]}" --pte-env M
 step linear_forms 240 "$PY" bench/gpu_decode.py "${PTES[@]}" "${COMMON[@]}" --prompt 128 --generate 128 \
     --rounds 9 --capture on --threaded --vector-linear ${BASELINE:+--baseline "$BASELINE"} --skip hf --skip hf-static
 step gemv_forms 420 env MLX_PTE_GEMV=1 "$PY" bench/gpu_decode.py "${PTES[@]}" "${COMMON[@]}" --prompt 128 --generate 128 \
-    --rounds 9 --capture on --threaded --mlx-gemv --gemv-tiling 4,2,4 ${BASELINE:+--baseline "$BASELINE"} --skip hf --skip hf-static
+    --rounds 9 --capture on --threaded --mlx-gemv --gemv-tiling 8,1,4,2 --gemv-tiling 8,1,4,4 ${BASELINE:+--baseline "$BASELINE"} --skip hf --skip hf-static
 step encode 120 bash -c '"$@" && MLX_USE_CUDA_GRAPHS=0 "$@"' _ "$PY" bench/gpu_encode.py --site "$SITE"
 # pytest and hypothesis come as wheels in .whl/ with MLX's; --noconftest: the suite's fixtures need the
 # exporter; -P and append: the checkout's own mlx_pte/ (a shim) must not shadow the installed layout.
