@@ -6,9 +6,10 @@ consecutive output rows; the group's warps take turns over a row's runs of 32 16
 chunks, a lane reading one chunk of a run, of each row and of x, and accumulating in float.
 A warp sums its lanes by shuffles and, with SPLIT > 1, the group's first warp sums the
 group's warps through shared memory. A long row over few outputs (the down projection's
-8192 features over 2048 rows) needs SPLIT: one warp a row leaves too few loads in flight. Strides are read from the arrays, so no input is copied:
-rows whose stride, alignment or inner stride rule out 16-byte loads take a strided loop
-(the branch is uniform over the whole grid).
+8192 features over 2048 rows) wants SPLIT: one warp a row leaves too few loads in flight.
+Strides are read from the arrays, so no input is copied: rows whose stride, alignment or
+inner stride rule out 16-byte loads take a strided loop (the branch is uniform over the
+whole grid).
 """
 from __future__ import annotations
 
@@ -392,12 +393,14 @@ _WRITE_ROWS = """
             }
         }
         __syncthreads();
-        #pragma unroll
-        for (int r = 0; r < ROWS; ++r) {
-            acc[r] = 0.0f;
+        if (part == 0) {
             #pragma unroll
-            for (int p = 0; p < SPLIT; ++p) {
-                acc[r] += group_sums[warp - part + p][r];
+            for (int r = 0; r < ROWS; ++r) {
+                acc[r] = 0.0f;
+                #pragma unroll
+                for (int p = 0; p < SPLIT; ++p) {
+                    acc[r] += group_sums[warp + p][r];
+                }
             }
         }
     }
