@@ -103,7 +103,7 @@ step profile_b8 120 "$PY" bench/gpu_profile.py --pte bf16=.gpu/llama1b-bf16.pte.
     --generate 32 --batch 8 --top 24 --skip mlx-lm
 step profile_b8_cell 90 "$PY" bench/gpu_profile.py --pte bf16=.gpu/llama1b-bf16.pte.gz "${COMMON[@]}" --prompt 128 \
     --generate 32 --batch 8 --top 24 --kind batched-cell --skip mlx-lm
-step gemv 300 "$PY" bench/gpu_gemv.py --site "$SITE" --torch --q4
+step gemv 420 "$PY" bench/gpu_gemv.py --site "$SITE" --torch --q4
 step batches 90 "$PY" bench/gpu_decode.py --pte bf16=.gpu/llama1b-bf16.pte.gz "${COMMON[@]}" --prompt 128 \
     --generate 64 --batches 8,32,64
 step decode_whole 75 "$PY" bench/gpu_decode.py --pte bf16=.gpu/llama1b-bf16.pte.gz "${COMMON[@]}" --prompt 128 \
