@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import mlx_pte.runtime.mlx.blas  # noqa: E402,F401  (before mlx.core)
 import mlx.core as mx  # noqa: E402
 
-from mlx_pte.runtime.mlx import gemv, gemv_source  # noqa: E402
+from mlx_pte.runtime.mlx import gemv, gemv_rows, gemv_source  # noqa: E402
 
 # MLX's own header before every kernel's (custom_kernel.cpp's default_header).
 MLX_HEADER = '#include "mlx/backend/cuda/device/utils.cuh"\n\n#include <cooperative_groups.h>\n\n'
@@ -91,7 +91,7 @@ def main() -> int:
                *(f"--include-path={folder}" for folder in args.include)]
     failed = 0
     for packed in (False, True):
-        for row in gemv_source.ROW_KINDS:
+        for row in gemv_rows.ROW_KINDS:
             spec = gemv_source.kernel_source(packed, row)
             for dtype in (mx.bfloat16, mx.float16, mx.float32):
                 for (out_features, in_features), tiling in zip(SHAPES, TILINGS * 2):

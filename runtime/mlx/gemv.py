@@ -14,7 +14,8 @@ the MLP's GLU and down projection are one (``ir/glu_linears.py``). The weight ma
 MLX's 4-bit affine packing (``Packed4``; MLX's ``qmv`` loads 8 bytes a lane per pass of a
 run-time loop, as its ``gemv_single`` does). The kernels are off unless ``MLX_PTE_GEMV=1``
 (see ``enabled``). Their CUDA source, and how it lays rows over the GPU, is
-``gemv_source.py``'s; this module says where they run and launches them.
+``gemv_source.py``'s (the rows they build, ``gemv_rows.py``'s); this module says where they
+run and launches them.
 """
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Union
 
 from mlx_pte.runtime.mlx.bootstrap import mx
-from mlx_pte.runtime.mlx.gemv_source import GLU_ACTIVATIONS, HEADER, kernel_source
+from mlx_pte.runtime.mlx.gemv_rows import GLU_ACTIVATIONS
+from mlx_pte.runtime.mlx.gemv_source import HEADER, kernel_source
 
 DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 # The fused norm and GLU stage the row in static shared memory (CUDA allows 48 KB a block): rows

@@ -58,6 +58,11 @@ def test_a_tiling_the_kernel_cannot_take_is_refused_when_made():
             gemv.Tiling.parse(text)
 
 
+def test_a_row_kind_the_kernels_do_not_build_is_refused():
+    with pytest.raises(ValueError, match="a GEMV row is one of input, norm, add_norm"):
+        gemv_source.kernel_source(False, "relu_norm")
+
+
 def test_only_one_row_of_a_matching_dtype_is_taken(monkeypatch, kernels_on):
     # As on a GPU wherever this runs: then only the operands decide.
     monkeypatch.setattr(gemv, "_ON_CUDA", True)

@@ -19,13 +19,13 @@ import mlx_pte.runtime.mlx.blas  # noqa: F401  (before mlx.core)
 import mlx.core as mx
 
 from mlx_pte.interpreter.handlers import HANDLERS, RunContext
-from mlx_pte.runtime.mlx import gemv, gemv_source
+from mlx_pte.runtime.mlx import gemv, gemv_rows
 from tests.runtime.mlx import cuda_emulation
 from tests.runtime.mlx.gemv_cases import (DTYPES, TILINGS, assert_close, dequantized, emulated, gpu_shapes, grid,
                                           oracle, quantized)
 from tests.runtime.mlx.gemv_cases import gpu_kernels, kernels_on  # noqa: F401  (fixtures)
 
-ACTIVATIONS = list(gemv_source.GLU_ACTIVATIONS)
+ACTIVATIONS = list(gemv_rows.GLU_ACTIVATIONS)
 _ERF = np.vectorize(math.erf)
 
 
