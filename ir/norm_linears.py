@@ -59,7 +59,7 @@ def fuse_norm_linears(graph: Graph) -> Graph:
     return with_replacements(graph, replaced)
 
 
-LINEARS = ("linear", "quantized_linear")
+_LINEARS = ("linear", "quantized_linear")
 # Ops that pick rows along one axis: before a norm over the last axis they commute with it.
 _ROW_SELECTIONS = frozenset({"select", "index_select", "slice"})
 
@@ -116,7 +116,7 @@ def sole_linear_reader(graph: Graph, slot: int, readers: dict[int, list[Instruct
     if len(read) != 1 or slot in graph.outputs:
         return None
     linear = read[0]
-    if linear.op not in LINEARS or linear.inputs[0] != slot or slot in linear.inputs[1:]:
+    if linear.op not in _LINEARS or linear.inputs[0] != slot or slot in linear.inputs[1:]:
         return None
     if not all(operand is None or _is_constant(graph, operand) for operand in linear.inputs[1:]):
         return None
