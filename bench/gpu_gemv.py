@@ -7,7 +7,8 @@ residual add, ``rms_norm`` and GEMV are timed against the kernel that fuses them
 (``norm_gemv``); where the MLP's GLU feeds it (the down projection), MLX's split of the
 fused gate/up row, GLU and GEMV against the kernel that builds the GLU's row (``glu_gemv``).
 
-    python3 bench/gpu_gemv.py --wheels .whl [--tilings 8x1x4,16x1x4x4] [--shapes 2048x8192] [--torch] [--q4]
+    python3 bench/gpu_gemv.py --wheels .whl [--tilings 8x1x4,16x1x4x4] [--shapes 2048x8192] [--torch] [--q4] \
+        [--kernel-time]
 
 Each timed eval runs one GEMV per weight copy, enough distinct copies that the weights
 (not the 50 MB L2) are what is read; time per GEMV = the eval's time / copies (median
@@ -15,7 +16,10 @@ over repeats), so the figure includes MLX's encoding of each kernel and the laun
 inside one CUDA graph (what a decode step sees), not the Python that builds the calls.
 GB/s counts the weight bytes (and x, y) read or written once; the peak is the GPU's memory
 bandwidth (H100 SXM 3,350 GB/s, H200 4,800 GB/s, from the device's name unless ``--peak``
-says).
+says). With ``--kernel-time`` (needs torch), one more eval of each row runs under
+``torch.profiler`` (CUPTI records MLX's kernels too) and the row also gives its kernels' own
+time per GEMV, without the encoding and launch gaps: what the GPU spends once the host
+keeps up, and the figure that tells tilings apart where the eval's time is the host's.
 """
 from __future__ import annotations
 
@@ -41,16 +45,18 @@ def peak_bandwidth() -> float:
     return next((gbs for word, gbs in PEAKS.items() if word in name), PEAKS["H200"])
 
 
-def time_mlx(fn, xs, ws, repeats: int) -> float:
-    """Median seconds per GEMV over ``repeats`` evals of one GEMV per weight copy; NaN (and
-    the error on stderr) where the GPU refuses the kernel, so the other rows still run."""
+def time_mlx(fn, xs, ws, repeats: int, kernel_time: bool) -> tuple[float, float]:
+    """Median seconds per GEMV over ``repeats`` evals of one GEMV per weight copy, and with
+    ``kernel_time`` the seconds its kernels ran per GEMV in one more eval, profiled (else
+    NaN); both NaN (and the error on stderr) where the GPU refuses the kernel, so the other
+    rows still run."""
     import mlx.core as mx
 
     try:
         mx.eval([fn(x, w) for x, w in zip(xs, ws)])  # warm-up: JIT and graph capture
     except RuntimeError as error:
         print(f"error: {error}", file=sys.stderr, flush=True)
-        return float("nan")
+        return float("nan"), float("nan")
     times = []
     for _ in range(repeats):
         # Built before the clock starts: mx.compile rebuilds a captured segment's graph
@@ -59,7 +65,13 @@ def time_mlx(fn, xs, ws, repeats: int) -> float:
         t0 = time.perf_counter()
         mx.eval(outputs)
         times.append((time.perf_counter() - t0) / len(ws))
-    return statistics.median(times)
+    if not kernel_time:
+        return statistics.median(times), float("nan")
+    from gpu_profile import profiled
+
+    outputs = [fn(x, w) for x, w in zip(xs, ws)]
+    kernels = profiled(lambda: (mx.eval(outputs), mx.synchronize()))
+    return statistics.median(times), sum(kernels.micros.values()) / 1e6 / len(ws)
 
 
 def relative_error(want, fn, *args) -> str:
@@ -114,6 +126,8 @@ def main() -> None:
     parser.add_argument("--shapes", default=",".join(f"{o}x{i}" for o, i in SHAPES),
                         help="the weights' shapes, OUTxIN, comma-separated (default: the model's five)")
     parser.add_argument("--torch", action="store_true", help="also torch's cuBLAS GEMV")
+    parser.add_argument("--kernel-time", action="store_true",
+                        help="also each row's kernel time per GEMV, from one eval under torch.profiler")
     parser.add_argument("--q4", action="store_true", help="also MLX's quantized_matmul, 4 bits, group 64, and the "
                         "kernel on the same packed weights (each tiling, and with the fused norm)")
     args = parser.parse_args()
@@ -122,7 +136,7 @@ def main() -> None:
     if args.wheels:
         install_mlx(args.wheels, args.site)
     sys.path[:0] = [str(args.site), str(project_root(args.work / "src"))]
-    if args.torch:
+    if args.torch or args.kernel_time:
         import torch  # noqa: F401  (before MLX, as gpu_decode.py does)
     import mlx_pte.runtime.mlx.blas  # noqa: F401  (before mlx.core)
     import mlx.core as mx
@@ -135,18 +149,23 @@ def main() -> None:
     peak = args.peak or peak_bandwidth()
     tilings = parse_tilings(args.tilings)
     print(f"MLX {mx.__version__} on {device}; GB/s against {peak:.0f}")
-    print(f"{'out x in':>14} {'copies':>6} {'impl':<24} {'us':>8} {'GB/s':>8} {'of peak':>8}")
+    print(f"{'out x in':>14} {'copies':>6} {'impl':<24} {'us':>8} {'GB/s':>8} {'of peak':>8} {'kernel us':>9} "
+          f"{'GB/s':>8} {'of peak':>8}")
+
+    def timed(fn, xs_, ws_) -> tuple[float, float]:
+        return time_mlx(fn, xs_, ws_, args.repeats, args.kernel_time)
+
     for out, inn in (tuple(int(n) for n in part.split("x")) for part in args.shapes.split(",") if part):
         nbytes = 2 * (out * inn + out + inn)
         copies = max(1, min(64, WORKING_SET // (2 * out * inn)))
         ws = [mx.random.normal((out, inn)).astype(mx.bfloat16) for _ in range(copies)]
         xs = [mx.random.normal((1, inn)).astype(mx.bfloat16) for _ in range(copies)]
         mx.eval(ws, xs)
-        rows = [("mlx x@W.T", time_mlx(lambda x, w: x @ w.T, xs, ws, args.repeats), nbytes)]
+        rows = [("mlx x@W.T", timed(lambda x, w: x @ w.T, xs, ws), nbytes)]
         for tiling in tilings:
             kernel = lambda x, w, t=tiling: gemv.gemv(x, w, t)  # noqa: E731
             error = relative_error((xs[0] @ ws[0].T).astype(mx.float32), kernel, xs[0], ws[0])
-            rows.append((f"{tiling} ({error})", time_mlx(kernel, xs, ws, args.repeats), nbytes))
+            rows.append((f"{tiling} ({error})", timed(kernel, xs, ws), nbytes))
         if (out, inn) in NORM_SITES:  # a residual add and an rms_norm before the GEMV
             rs = [mx.random.normal((1, inn)).astype(mx.bfloat16) for _ in range(copies)]
             g = mx.ones((inn,), mx.bfloat16)
@@ -159,10 +178,10 @@ def main() -> None:
             def fused(pair, w, tiling=None):
                 return gemv.norm_gemv(pair[0], g, 1e-5, w, residual=pair[1], layout=tiling)[0]
 
-            rows.append(("mlx add+norm+gemv", time_mlx(mlx_ops, pairs, ws, args.repeats), nbytes))
+            rows.append(("mlx add+norm+gemv", timed(mlx_ops, pairs, ws), nbytes))
             for tiling in tilings:
                 kernel = lambda pair, w, t=tiling: fused(pair, w, t)  # noqa: E731
-                rows.append((f"add_norm {tiling}", time_mlx(kernel, pairs, ws, args.repeats), nbytes))
+                rows.append((f"add_norm {tiling}", timed(kernel, pairs, ws), nbytes))
         if (out, inn) in GLU_SITES:  # the fused gate/up row, its halves read by the glu
             gate_ups = [mx.random.normal((1, 2 * inn)).astype(mx.bfloat16) for _ in range(copies)]
             mx.eval(gate_ups)
@@ -175,13 +194,13 @@ def main() -> None:
                 return gemv.glu_gemv(gate_up, None, inn, "silu", w, tiling)
 
             want = (glu_row(gate_ups[0]) @ ws[0].T).astype(mx.float32)
-            rows.append(("mlx glu+gemv", time_mlx(lambda gu, w: glu_row(gu) @ w.T, gate_ups, ws, args.repeats), nbytes))
+            rows.append(("mlx glu+gemv", timed(lambda gu, w: glu_row(gu) @ w.T, gate_ups, ws), nbytes))
             for tiling in tilings:  # the row's prologue is built once a block: tilings weigh differently here
                 kernel = lambda gu, w, t=tiling: glu_kernel(gu, w, t)  # noqa: E731
                 error = relative_error(want, kernel, gate_ups[0], ws[0])
-                rows.append((f"glu {tiling} ({error})", time_mlx(kernel, gate_ups, ws, args.repeats), nbytes))
-        if args.torch:
-            rows.append(("torch cuBLAS", time_torch(out, inn, copies, args.repeats), nbytes))
+                rows.append((f"glu {tiling} ({error})", timed(kernel, gate_ups, ws), nbytes))
+        if args.torch:  # timed by CUDA events around the launches: no host work to take out
+            rows.append(("torch cuBLAS", (time_torch(out, inn, copies, args.repeats), float("nan")), nbytes))
         if args.q4:
             packed = [mx.quantize(w, group_size=64, bits=4) for w in ws]
             mx.eval(packed)
@@ -190,30 +209,31 @@ def main() -> None:
             def qmm(x, p):
                 return mx.quantized_matmul(x, *p, transpose=True, group_size=64, bits=4)
 
-            rows.append(("mlx q4 g64", time_mlx(qmm, xs, packed, args.repeats), qbytes))
+            rows.append(("mlx q4 g64", timed(qmm, xs, packed), qbytes))
             weights4 = [gemv.Packed4(*p, 64) for p in packed]
             want = qmm(xs[0], packed[0]).astype(mx.float32)
             for tiling in tilings:
                 kernel = lambda x, w, t=tiling: gemv.gemv(x, w, t)  # noqa: E731
                 error = relative_error(want, kernel, xs[0], weights4[0])
-                rows.append((f"q4 {tiling} ({error})", time_mlx(kernel, xs, weights4, args.repeats), qbytes))
+                rows.append((f"q4 {tiling} ({error})", timed(kernel, xs, weights4), qbytes))
             if (out, inn) in NORM_SITES:
-                rows.append(("mlx add+norm+q4", time_mlx(lambda pair, p: qmm(mx.fast.rms_norm(
-                    pair[0] + pair[1], g, 1e-5), p), pairs, packed, args.repeats), qbytes))  # fmt: skip
+                rows.append(("mlx add+norm+q4", timed(lambda pair, p: qmm(mx.fast.rms_norm(
+                    pair[0] + pair[1], g, 1e-5), p), pairs, packed), qbytes))  # fmt: skip
                 for tiling in tilings:
                     kernel = lambda pair, w, t=tiling: fused(pair, w, t)  # noqa: E731
-                    rows.append((f"q4 add_norm {tiling}", time_mlx(kernel, pairs, weights4, args.repeats), qbytes))
+                    rows.append((f"q4 add_norm {tiling}", timed(kernel, pairs, weights4), qbytes))
             if (out, inn) in GLU_SITES:
-                rows.append(("mlx glu+q4", time_mlx(lambda gu, p: qmm(glu_row(gu), p), gate_ups, packed, args.repeats),
+                rows.append(("mlx glu+q4", timed(lambda gu, p: qmm(glu_row(gu), p), gate_ups, packed),
                              qbytes))
                 for tiling in tilings:
                     kernel = lambda gu, w, t=tiling: glu_kernel(gu, w, t)  # noqa: E731
                     name = f"q4 glu {tiling}"
-                    rows.append((name, time_mlx(kernel, gate_ups, weights4, args.repeats), qbytes))
-        for name, seconds, moved in rows:
-            rate = moved / seconds / 1e9
+                    rows.append((name, timed(kernel, gate_ups, weights4), qbytes))
+        for name, (seconds, kernel_seconds), moved in rows:
+            rate, kernel_rate = moved / seconds / 1e9, moved / kernel_seconds / 1e9
             print(f"{f'{out}x{inn}':>14} {copies:>6} {name:<24} {seconds * 1e6:>8.1f} {rate:>8.0f} "
-                  f"{rate / peak:>8.0%}", flush=True)
+                  f"{rate / peak:>8.0%} {kernel_seconds * 1e6:>9.1f} {kernel_rate:>8.0f} {kernel_rate / peak:>8.0%}",
+                  flush=True)
         del ws, xs
 
 

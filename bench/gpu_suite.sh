@@ -7,7 +7,8 @@
 #                      BatchGenerator under the profiler ended in a segfault, so it is skipped)
 #   profile_b8_cell.log  the same for batched-cell
 #   gemv.log           bench/gpu_gemv.py: GEMV GB/s at the model's shapes, MLX's, runtime/mlx/gemv.py's kernel
-#                      at several tilings, cuBLAS, q4, and the fused norm and GLU against MLX's ops
+#                      at several tilings, cuBLAS, q4, and the fused norm and GLU against MLX's ops; each
+#                      row's wall time and its kernels' own time (profiled); GEMV_ARGS=... adds arguments
 #   batches.log        --batches 8,32,64: batched-sequence vs mlx-lm's BatchGenerator, bf16
 #   decode_whole.log   segments (today's capture) vs the whole step as one compiled function, bf16
 #   kinds.log          --batches 8,32,64 on both batched layouts (sequence vs cell) and mlx-lm, bf16
@@ -103,7 +104,7 @@ step profile_b8 120 "$PY" bench/gpu_profile.py --pte bf16=.gpu/llama1b-bf16.pte.
     --generate 32 --batch 8 --top 24 --skip mlx-lm
 step profile_b8_cell 90 "$PY" bench/gpu_profile.py --pte bf16=.gpu/llama1b-bf16.pte.gz "${COMMON[@]}" --prompt 128 \
     --generate 32 --batch 8 --top 24 --kind batched-cell --skip mlx-lm
-step gemv 420 "$PY" bench/gpu_gemv.py --site "$SITE" --torch --q4
+step gemv 420 "$PY" bench/gpu_gemv.py --site "$SITE" --torch --q4 --kernel-time ${GEMV_ARGS:-}
 step batches 90 "$PY" bench/gpu_decode.py --pte bf16=.gpu/llama1b-bf16.pte.gz "${COMMON[@]}" --prompt 128 \
     --generate 64 --batches 8,32,64
 step decode_whole 75 "$PY" bench/gpu_decode.py --pte bf16=.gpu/llama1b-bf16.pte.gz "${COMMON[@]}" --prompt 128 \
