@@ -49,6 +49,11 @@ TILINGS = [gemv.Tiling(8, 1, 4), gemv.Tiling(8, 2, 2, 4), gemv.Tiling(4, 2, 4), 
            gemv.Tiling(16, 1, 4, 2)]
 
 
+def stored(values: np.ndarray, dtype: mx.Dtype) -> mx.array:
+    """numpy values as an operand of ``dtype``: rounded to float32, then by MLX to dtype."""
+    return mx.array(np.asarray(values, dtype=np.float32)).astype(dtype)
+
+
 def oracle(x: mx.array, weight: mx.array) -> np.ndarray:
     """x @ weight.T in float64, from the values as stored."""
     as64 = lambda a: np.array(a.astype(mx.float32), dtype=np.float64)  # noqa: E731

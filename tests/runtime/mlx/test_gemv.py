@@ -25,7 +25,7 @@ from mlx_pte.interpreter.handlers import HANDLERS, RunContext
 from mlx_pte.runtime.mlx import gemv, gemv_source
 from tests.runtime.mlx import cuda_emulation
 from tests.runtime.mlx.gemv_cases import (DTYPES, EXAMPLES, TILINGS, assert_close, cuda_only, dequantized, emulated,
-                                          gpu_shapes, grid, oracle, quantized)
+                                          gpu_shapes, grid, oracle, quantized, stored)
 from tests.runtime.mlx.gemv_cases import gpu_kernels, kernels_on  # noqa: F401  (fixtures)
 
 
@@ -97,26 +97,26 @@ def test_kernel_matches_float64(tiling, dtype, shape, gpu_kernels):
     tiling=st.sampled_from(TILINGS), dtype=st.sampled_from([mx.bfloat16, mx.float32]))
 def test_strided_weights_and_rows_match_float64(out_features, in_features, form, tiling, dtype, gpu_kernels):
     rng = np.random.default_rng(out_features * 1000 + in_features)
-    base = mx.array(rng.standard_normal((out_features + 3, in_features + 5)).astype(np.float32)).astype(dtype)
-    x = mx.array(rng.standard_normal((1, in_features)).astype(np.float32)).astype(dtype)
+    base = stored(rng.standard_normal((out_features + 3, in_features + 5)), dtype)
+    x = stored(rng.standard_normal((1, in_features)), dtype)
     weight = {
         "contiguous": base[:out_features, :in_features],
-        "transposed": mx.array(rng.standard_normal((in_features, out_features)).astype(np.float32)).astype(dtype).T,
+        "transposed": stored(rng.standard_normal((in_features, out_features)), dtype).T,
         "column_slice": base[:out_features, 5:],  # rows start 5 elements in: no 16-byte loads
         "row_slice": base[3:, :in_features],
         "strided_x": base[:out_features, :in_features],
     }[form]
     if form == "strided_x":
-        x = mx.array(rng.standard_normal((1, 2 * in_features)).astype(np.float32)).astype(dtype)[:, ::2]
+        x = stored(rng.standard_normal((1, 2 * in_features)), dtype)[:, ::2]
     assert_close(gemv.gemv(x, weight, tiling), x, weight)
 
 
 @pytest.mark.parametrize("bias", [False, True])
 def test_the_linear_handler_takes_the_kernel_for_one_row(bias, monkeypatch, gpu_kernels):
     rng = np.random.default_rng(3)
-    x = mx.array(rng.standard_normal((1, 1, 256)).astype(np.float32)).astype(mx.bfloat16)
-    weight = mx.array(rng.standard_normal((384, 256)).astype(np.float32)).astype(mx.bfloat16)
-    b = mx.array(rng.standard_normal((384,)).astype(np.float32)).astype(mx.bfloat16) if bias else None
+    x = stored(rng.standard_normal((1, 1, 256)), mx.bfloat16)
+    weight = stored(rng.standard_normal((384, 256)), mx.bfloat16)
+    b = stored(rng.standard_normal((384,)), mx.bfloat16) if bias else None
     calls = []
     kernel = gemv.gemv
     monkeypatch.setattr(gemv, "gemv", lambda *a, **k: calls.append(a) or kernel(*a, **k))
@@ -131,10 +131,10 @@ def test_the_linear_handler_takes_the_kernel_for_one_row(bias, monkeypatch, gpu_
 def test_the_kernel_runs_inside_a_compiled_function():
     # Captured segments are mx.compile'd: the kernel is traced once and replayed after.
     rng = np.random.default_rng(5)
-    weight = mx.array(rng.standard_normal((640, 512)).astype(np.float32)).astype(mx.bfloat16)
+    weight = stored(rng.standard_normal((640, 512)), mx.bfloat16)
     step = mx.compile(lambda x, w: mx.fast.rms_norm(gemv.gemv(x, w), None, 1e-5) * 2)
     for seed in range(3):  # the first call traces, the others replay
-        x = mx.array(np.random.default_rng(seed).standard_normal((1, 1, 512)).astype(np.float32)).astype(mx.bfloat16)
+        x = stored(np.random.default_rng(seed).standard_normal((1, 1, 512)), mx.bfloat16)
         want = mx.fast.rms_norm(mx.array(oracle(x, weight).astype(np.float32)), None, 1e-5) * 2
         got = step(x, weight).astype(mx.float32)
         assert float(mx.max(mx.abs(got - want)).item()) <= 5e-2
@@ -144,7 +144,7 @@ def rms_norm_oracle(h: np.ndarray, weight: mx.array, eps: float, dtype: mx.Dtype
     """rms_norm by the catalog's rule: normalized in float64 here, rounded to the dtype,
     times the weight, rounded again (MLX's casts do the rounding)."""
     unit = h / np.sqrt(np.mean(h**2) + eps)
-    rounded = mx.array(unit.astype(np.float32)).astype(dtype)
+    rounded = stored(unit, dtype)
     return (rounded.astype(mx.float32) * weight.astype(mx.float32)).astype(dtype)
 
 
@@ -167,7 +167,7 @@ NORM_FORMS = ["contiguous", "strided", "offset", "strided_weight"]
 def norm_operands(form: str, residual: bool, in_features: int, dtype: mx.Dtype,
                   rng: np.random.Generator) -> tuple[mx.array, mx.array | None, mx.array]:
     """(x, the residual or None, the norm weight) laid out as ``form`` says."""
-    cast = lambda a: mx.array(a.astype(np.float32)).astype(dtype)  # noqa: E731
+    cast = lambda a: stored(a, dtype)  # noqa: E731
     step, start = (2, 0) if form == "strided" else (1, 3) if form == "offset" else (1, 0)
 
     def row(scale: float) -> mx.array:
@@ -198,7 +198,7 @@ def assert_fused_norm_matches(residual: bool, dtype: mx.Dtype, weight: gemv.Weig
 @pytest.mark.parametrize("residual,form", grid([False, True], NORM_FORMS))
 def test_the_fused_norm_reads_its_operands_in_any_layout(residual, form, gpu_kernels):
     rng = np.random.default_rng(14)
-    weight = mx.array((rng.standard_normal((24, 264)) / 16).astype(np.float32)).astype(mx.bfloat16)
+    weight = stored(rng.standard_normal((24, 264)) / 16, mx.bfloat16)
     assert_fused_norm_matches(residual, mx.bfloat16, weight, weight, form=form)
 
 
@@ -247,8 +247,7 @@ def test_only_4_bit_affine_weights_reach_the_kernel(monkeypatch, kernels_on):
 def test_q4_kernel_matches_dequantized_float64(tiling, dtype, shape, gpu_kernels):
     out_features, in_features, group_size = shape
     weight = quantized(out_features, in_features, group_size, dtype, out_features + in_features)
-    x = mx.array(np.random.default_rng(in_features).standard_normal((1, 1, in_features)).astype(np.float32)).astype(
-        dtype)  # fmt: skip
+    x = stored(np.random.default_rng(in_features).standard_normal((1, 1, in_features)), dtype)
     assert gemv.available(x, weight)
     assert_close(gemv.gemv(x, weight, tiling), x, dequantized(weight))
 
@@ -264,7 +263,7 @@ def test_q4_row_slices_and_strided_rows_match_float64(out_features, groups, grou
     if form == "row_slice":
         weight = gemv.Packed4(weight.weight[3:], weight.scales[3:], weight.biases[3:], group_size)
     rng = np.random.default_rng(groups)
-    x = mx.array(rng.standard_normal((1, 2 * in_features)).astype(np.float32)).astype(mx.bfloat16)
+    x = stored(rng.standard_normal((1, 2 * in_features)), mx.bfloat16)
     x = x[:, ::2] if form == "strided_x" else x[:, :in_features]
     assert_close(gemv.gemv(x, weight, tiling), x, dequantized(weight))
 
@@ -280,9 +279,9 @@ def test_the_fused_norm_over_q4_weights_matches_the_ops_it_replaces(residual, dt
 def test_the_quantized_handlers_take_the_kernel_for_one_row(op, monkeypatch, gpu_kernels):
     rng = np.random.default_rng(7)
     weight = quantized(384, 256, 64, mx.bfloat16, 7)
-    row = lambda: mx.array(rng.standard_normal((1, 1, 256)).astype(np.float32)).astype(mx.bfloat16)  # noqa: E731
+    row = lambda: stored(rng.standard_normal((1, 1, 256)), mx.bfloat16)  # noqa: E731
     x, other, norm_weight = row(), row(), mx.ones((256,), mx.bfloat16)
-    bias = mx.array(rng.standard_normal((384,)).astype(np.float32)).astype(mx.bfloat16)
+    bias = stored(rng.standard_normal((384,)), mx.bfloat16)
     parts = [weight.weight, weight.scales, weight.biases, bias]
     attrs = {"mode": "affine", "bits": 4, "group_size": 64, "eps": 1e-5}
     calls = []
@@ -312,7 +311,7 @@ def test_the_quantized_handlers_take_the_kernel_for_one_row(op, monkeypatch, gpu
 def test_the_16_byte_loads_are_taken_where_the_layout_allows(form, loads, gpu_kernels):
     # bfloat16: 8 elements a load. A slice keeps the loads where its rows start on 16 bytes.
     rng = np.random.default_rng(11)
-    cast = lambda a: mx.array(a.astype(np.float32)).astype(mx.bfloat16)  # noqa: E731
+    cast = lambda a: stored(a, mx.bfloat16)  # noqa: E731
     in_features = 100 if form == "odd_length" else 256
     x = cast(rng.standard_normal((1, 2 * in_features)))
     x = x[:, ::2] if form == "strided_x" else x[:, :in_features]
@@ -332,7 +331,7 @@ def test_the_q4_kernel_loads_16_bytes_where_the_layout_allows(form, loads, gpu_k
     weight = quantized(30, 256, 64, mx.bfloat16, 12)
     if form == "row_slice":
         weight = gemv.Packed4(weight.weight[6:], weight.scales[6:], weight.biases[6:], 64)
-    x = mx.array(np.random.default_rng(12).standard_normal((1, 512)).astype(np.float32)).astype(mx.bfloat16)
+    x = stored(np.random.default_rng(12).standard_normal((1, 512)), mx.bfloat16)
     x = x[:, ::2] if form == "strided_x" else x[:, :256]
     assert_close(gemv.gemv(x, weight), x, dequantized(weight))
     assert (cuda_emulation.last_launch.chunk_loads > 0) is loads

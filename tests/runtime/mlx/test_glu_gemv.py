@@ -22,7 +22,7 @@ from mlx_pte.interpreter.handlers import HANDLERS, RunContext
 from mlx_pte.runtime.mlx import gemv, gemv_rows
 from tests.runtime.mlx import cuda_emulation
 from tests.runtime.mlx.gemv_cases import (DTYPES, TILINGS, assert_close, dequantized, emulated, gpu_shapes, grid,
-                                          oracle, quantized)
+                                          oracle, quantized, stored)
 from tests.runtime.mlx.gemv_cases import gpu_kernels, kernels_on  # noqa: F401  (fixtures)
 
 ACTIVATIONS = list(gemv_rows.GLU_ACTIVATIONS)
@@ -38,7 +38,7 @@ def glu_row_oracle(gate: mx.array, up: mx.array, activation: str) -> mx.array:
         "gelu": lambda: 0.5 * g * (1 + _ERF(g / math.sqrt(2))),
         "gelu_tanh": lambda: 0.5 * g * (1 + np.tanh(math.sqrt(2 / math.pi) * (g + 0.044715 * g**3))),
     }[activation]()
-    rounded = mx.array(act.astype(np.float32)).astype(gate.dtype)
+    rounded = stored(act, gate.dtype)
     return (rounded.astype(mx.float32) * up.astype(mx.float32)).astype(gate.dtype)
 
 
@@ -52,7 +52,7 @@ def gate_and_up(width: int, form: str, dtype: mx.Dtype, seed: int) -> tuple[mx.a
     """(the kernel's gate and up operands, up None where gate holds both; the gate and up
     rows they hold) in ``form``."""
     rng = np.random.default_rng(seed)
-    cast = lambda a: mx.array(a.astype(np.float32)).astype(dtype)  # noqa: E731
+    cast = lambda a: stored(a, dtype)  # noqa: E731
     if form.startswith("fused"):
         both = cast(rng.standard_normal((1, 1, 2 * width + (16 if form == "fused" else 3))) * 2)
         return both, None, both[..., :width], both[..., -width:]
@@ -68,7 +68,7 @@ def gate_and_up(width: int, form: str, dtype: mx.Dtype, seed: int) -> tuple[mx.a
 def test_the_fused_glu_matches_the_ops_it_replaces(activation, form, tiling, dtype, shape, gpu_kernels):
     out_features, width = shape
     rng = np.random.default_rng(out_features + width)
-    weight = mx.array((rng.standard_normal((out_features, width)) / np.sqrt(width)).astype(np.float32)).astype(dtype)
+    weight = stored(rng.standard_normal((out_features, width)) / np.sqrt(width), dtype)
     gate, up, gate_row, up_row = gate_and_up(width, form, dtype, width)
     assert gemv.glu_available(gate, up, width, activation, weight)
     got = gemv.glu_gemv(gate, up, width, activation, weight, layout=tiling)
@@ -110,7 +110,7 @@ def test_only_glu_rows_the_kernel_can_build_are_taken(monkeypatch, kernels_on):
 def test_the_glu_handlers_take_the_kernel_for_one_row(op, form, monkeypatch, gpu_kernels):
     width, out_features = 256, 384
     rng = np.random.default_rng(9)
-    bias = mx.array(rng.standard_normal((out_features,)).astype(np.float32)).astype(mx.bfloat16)
+    bias = stored(rng.standard_normal((out_features,)), mx.bfloat16)
     packed = quantized(out_features, width, 64, mx.bfloat16, 9)
     dense = dequantized(packed).astype(mx.bfloat16)
     gate, up, gate_row, up_row = gate_and_up(width, form, mx.bfloat16, 10)
