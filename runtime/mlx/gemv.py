@@ -96,10 +96,10 @@ class Packed4:
 
 Weight = Union[mx.array, Packed4]
 
-# Off unless MLX_PTE_GEMV=1. On two H100 hosts whose encoding bounds a Llama-3.2-1B decode
-# step, they cut its kernel time but not its wall time (bench/gpu_suite.sh gemv_forms, three
-# runs: 0.99-1.01x bf16, 1.01-1.08x q4); they go on by default once a GPU-bound host shows
-# them ahead. The bench also switches them in-process (enabled: every kernel; norm_enabled:
+# Off unless MLX_PTE_GEMV=1. On three H100 hosts whose encoding bounds a Llama-3.2-1B decode
+# step, they cut its kernel time but barely its wall time (bench/gpu_suite.sh gemv_forms,
+# four runs: 0.99-1.05x bf16, 1.01-1.08x q4), and each kernel's first use compiles it (about
+# 2.5 s); they go on by default once a GPU-bound host shows them ahead. The bench also switches them in-process (enabled: every kernel; norm_enabled:
 # the fused norm only; glu_enabled: the fused GLU only) to time MLX's ops in the same run.
 enabled = os.environ.get("MLX_PTE_GEMV") == "1"
 norm_enabled = True
