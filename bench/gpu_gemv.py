@@ -121,7 +121,7 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=Path("/tmp/gpu_decode"), help="scratch folder")
     parser.add_argument("--peak", type=float, help="the GPU's memory bandwidth in GB/s (default: from its name)")
     parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--tilings", default="8x1x4,8x1x4x2,8x1x4x4,16x1x4x4,4x2x4,8x2x2x2",
+    parser.add_argument("--tilings", default="8x1x4,16x1x4,4x2x4,8x2x4,16x1x4x4",
                         help="the kernel's tilings, WARPSxROWSxUNROLL[xSPLIT], comma-separated ('' for none)")
     parser.add_argument("--shapes", default=",".join(f"{o}x{i}" for o, i in SHAPES),
                         help="the weights' shapes, OUTxIN, comma-separated (default: the model's five)")

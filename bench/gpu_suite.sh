@@ -33,10 +33,12 @@
 #   gemv_forms.log     prompt 128, 128 generated, bf16 and q4, 9 rounds: mlx-pte with runtime/mlx/gemv.py's
 #                      kernels (MLX_PTE_GEMV=1) inline and on a thread, on a thread with MLX's ops for one-row
 #                      linears and their norms and GLUs (mlx-pte-mlxgemv), without the fused norm
-#                      (mlx-pte-nonorm), without the fused GLU (mlx-pte-noglu), and with each row's loads
-#                      shared by 2 and by 4 warps (mlx-pte-t8x1x4x2, -t8x1x4x4), vs mlx-lm; with BASELINE=CHECKOUT also
-#                      mlx-pte from that checkout (mlx-pte-base). Other steps run the kernels where the
-#                      caller sets MLX_PTE_GEMV=1
+#                      (mlx-pte-nonorm), without the fused GLU (mlx-pte-noglu), and with every kernel at the
+#                      tilings GEMV_TILINGS names (default "4,2,4 16,1,4": 2 rows a warp, which shares x's
+#                      conversion in 4 bits, and 16 warps a block, half the blocks building a fused row;
+#                      rows mlx-pte-t4x2x4, -t16x1x4), vs mlx-lm; with BASELINE=CHECKOUT also mlx-pte from
+#                      that checkout (mlx-pte-base). Other steps run the kernels where the caller sets
+#                      MLX_PTE_GEMV=1
 #   gpu_tests.log      the tests that run only on CUDA (tests/runtime/mlx/test_decode_attention.py,
 #                      test_gemv.py, test_glu_gemv.py; GPU_TESTS=FILES for some), on the GPU: the default cases;
 #                      GPU_MARK=slow runs test_gemv's other kernel combinations instead, in a call of
@@ -139,7 +141,8 @@ step ops_per_graph 180 "$PY" bench/gpu_decode.py "${BF16_LAUNCH[@]}" --pte-env M
 step linear_forms 240 "$PY" bench/gpu_decode.py "${PTES[@]}" "${COMMON[@]}" --prompt 128 --generate 128 \
     --rounds 9 --capture on --threaded --vector-linear ${BASELINE:+--baseline "$BASELINE"} --skip hf --skip hf-static
 step gemv_forms 420 env MLX_PTE_GEMV=1 "$PY" bench/gpu_decode.py "${PTES[@]}" "${COMMON[@]}" --prompt 128 --generate 128 \
-    --rounds 9 --capture on --threaded --mlx-gemv --gemv-tiling 8,1,4,2 --gemv-tiling 8,1,4,4 ${BASELINE:+--baseline "$BASELINE"} --skip hf --skip hf-static
+    --rounds 9 --capture on --threaded --mlx-gemv $(printf -- '--gemv-tiling %s ' ${GEMV_TILINGS:-4,2,4 16,1,4}) \
+    ${BASELINE:+--baseline "$BASELINE"} --skip hf --skip hf-static
 step encode 120 bash -c '"$@" && MLX_USE_CUDA_GRAPHS=0 "$@"' _ "$PY" bench/gpu_encode.py --site "$SITE"
 # pytest and hypothesis come as wheels in .whl/ with MLX's; --noconftest: the suite's fixtures need the
 # exporter; -P and append: the checkout's own mlx_pte/ (a shim) must not shadow the installed layout.
