@@ -70,8 +70,10 @@ def time_mlx(fn, xs, ws, repeats: int, kernel_time: bool) -> tuple[float, float]
     from gpu_profile import profiled
 
     outputs = [fn(x, w) for x, w in zip(xs, ws)]
-    kernels = profiled(lambda: (mx.eval(outputs), mx.synchronize()))
-    return statistics.median(times), sum(kernels.micros.values()) / 1e6 / len(ws)
+    micros = sum(profiled(lambda: (mx.eval(outputs), mx.synchronize())).micros.values())
+    if not micros:
+        print("warning: the profiler recorded no CUDA kernels (is CUPTI available?)", file=sys.stderr, flush=True)
+    return statistics.median(times), micros / 1e6 / len(ws) if micros else float("nan")
 
 
 def relative_error(want, fn, *args) -> str:
