@@ -60,6 +60,11 @@ class Tiling:
     def __str__(self) -> str:
         return f"{self.warps}x{self.rows}x{self.unroll}x{self.split}"
 
+    @property
+    def rows_per_block(self) -> int:
+        """Output rows a block computes: ``rows`` for each group of ``split`` warps."""
+        return self.warps // self.split * self.rows
+
     def template(self) -> list[tuple[str, int]]:
         """The kernel's template arguments for this tiling."""
         return [("WARPS", self.warps), ("ROWS", self.rows), ("UNROLL", self.unroll), ("SPLIT", self.split)]
@@ -99,8 +104,9 @@ Weight = Union[mx.array, Packed4]
 # Off unless MLX_PTE_GEMV=1. On three H100 hosts whose encoding bounds a Llama-3.2-1B decode
 # step, they cut its kernel time but barely its wall time (bench/gpu_suite.sh gemv_forms,
 # four runs: 0.99-1.05x bf16, 1.01-1.08x q4), and each kernel's first use compiles it (about
-# 2.5 s); they go on by default once a GPU-bound host shows them ahead. The bench also switches them in-process (enabled: every kernel; norm_enabled:
-# the fused norm only; glu_enabled: the fused GLU only) to time MLX's ops in the same run.
+# 2.5 s); they go on by default once a GPU-bound host shows them ahead. The bench also
+# switches them in-process (enabled: every kernel; norm_enabled: the fused norm only;
+# glu_enabled: the fused GLU only) to time MLX's ops in the same run.
 enabled = os.environ.get("MLX_PTE_GEMV") == "1"
 norm_enabled = True
 glu_enabled = True
@@ -177,7 +183,7 @@ def _call(row_kind: str, inputs: list[mx.array], weight: Weight, extra: list, la
     packed = isinstance(weight, Packed4)
     parts = [weight.weight, weight.scales, weight.biases] if packed else [weight]
     group = [("GROUP", weight.group_size)] if packed else []
-    blocks = -(-out_features // (layout.warps // layout.split * layout.rows))
+    blocks = -(-out_features // layout.rows_per_block)
     # Leading axes of the row are all 1, so the flat rows the kernel writes are this shape.
     shapes = [(*row.shape[:-1], out_features), row.shape][:outputs]
     return _kernel(packed, row_kind)(

@@ -215,7 +215,7 @@ def test_the_norm_row_is_read_16_bytes_a_load_where_the_layout_allows(residual, 
     # reads x (and the residual) by chunks where both allow it; the second, the norm weight
     # and the staged row, where the norm weight does. bfloat16: 256 features are 32 chunks,
     # read by each of the blocks.
-    blocks, chunks = -(-8 // (gemv.tiling.warps * gemv.tiling.rows)), 256 // 8
+    blocks, chunks = -(-8 // gemv.tiling.rows_per_block), 256 // 8
     assert loads["contiguous"] - loads["offset"] == blocks * (2 if residual else 1) * chunks
     assert loads["contiguous"] - loads["strided_weight"] == blocks * 2 * chunks
     assert loads["offset"] == loads["strided"]

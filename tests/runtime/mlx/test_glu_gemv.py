@@ -142,6 +142,6 @@ def test_the_glu_row_is_read_16_bytes_a_load_where_the_layout_allows(gpu_kernels
         loads[form] = cuda_emulation.last_launch.chunk_loads
     # The dot loop reads the staged row and the weight alike in every form; reading gate and
     # up by chunks adds 2 * 256 / 8 loads for each of the launch's blocks.
-    blocks = -(-8 // (gemv.tiling.warps * gemv.tiling.rows))
+    blocks = -(-8 // gemv.tiling.rows_per_block)
     assert loads["fused"] - loads["fused_odd"] == loads["apart"] - loads["strided"] == blocks * 2 * 256 // 8
     assert loads["fused_odd"] == loads["strided"] > 0
